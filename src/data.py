@@ -1,0 +1,366 @@
+"""MNIST / Fashion-MNIST: IDX reading, validated download and a batched LightningDataModule."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import http.client
+import os
+import tempfile
+import urllib.request
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+SPLITS = ("train", "val", "test")
+
+
+class DataError(RuntimeError):
+    """Bad/missing data: message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    folder: str  # torchvision raw layout: <root>/<folder>/raw/<file>
+    mirrors: tuple[str, ...]  # base URLs tried in order, each ending with "/"
+    md5: dict[str, str]  # .gz file name -> md5 of the published .gz
+    classes: tuple[str, ...]
+    mean: float  # normalisation constants on [0,1]-scaled pixels
+    std: float
+
+
+DATASETS: dict[str, DatasetSpec] = {
+    "mnist": DatasetSpec(
+        folder="MNIST",
+        mirrors=(
+            "https://ossci-datasets.s3.amazonaws.com/mnist/",
+            "http://yann.lecun.com/exdb/mnist/",
+        ),
+        md5={
+            "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+            "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
+            "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
+            "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
+        },
+        classes=tuple(str(i) for i in range(10)),
+        mean=0.1307,
+        std=0.3081,
+    ),
+    "fashion_mnist": DatasetSpec(
+        folder="FashionMNIST",
+        mirrors=("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",),
+        md5={
+            "train-images-idx3-ubyte.gz": "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+            "train-labels-idx1-ubyte.gz": "25c81989df183df01b3e8a0aad5dffbe",
+            "t10k-images-idx3-ubyte.gz": "bef4ecab320f06d8554ea6380940ec79",
+            "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310",
+        },
+        classes=("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat")
+        + ("Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"),
+        mean=0.2860,
+        std=0.3530,
+    ),
+}
+
+
+# --- reading
+
+
+def read_idx(path: Path, expected_ndim: int) -> np.ndarray:
+    """Read an unsigned-byte IDX file (.gz or extracted), refusing anything malformed."""
+    try:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise DataError(
+            f"{path}: corrupt or truncated gzip stream ({e}); delete it and re-download"
+        ) from e
+    expected_magic = 0x0800 | expected_ndim
+    header = 4 + 4 * expected_ndim
+    magic = int.from_bytes(data[:4], "big") if len(data) >= 4 else None
+    if magic != expected_magic:
+        found = "none (file shorter than 4 bytes)" if magic is None else f"0x{magic:08x}"
+        raise DataError(
+            f"{path}: not an IDX file with {expected_ndim} dims of unsigned bytes: "
+            f"magic {found}, expected 0x{expected_magic:08x}"
+        )
+    if len(data) < header:
+        raise DataError(f"{path}: truncated IDX header ({len(data)} bytes, need {header})")
+    dims = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=expected_ndim, offset=4))
+    expected, actual = int(np.prod(dims)), len(data) - header
+    if actual != expected:
+        raise DataError(
+            f"{path}: payload for dims {dims} should be {expected} bytes, found {actual} "
+            "(truncated or corrupt file; delete it and re-download)"
+        )
+    # Copy: frombuffer over bytes is read-only and torch.from_numpy would warn.
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims).copy()
+
+
+def _find(raw: Path, name: str) -> Path | None:
+    """The downloaded .gz wins over an extracted copy."""
+    for candidate in (raw / f"{name}.gz", raw / name):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _missing(raw: Path) -> list[str]:
+    return [name for name in FILES if _find(raw, name) is None]
+
+
+def _offline_message(raw: Path, detail: str = "") -> str:
+    names = ", ".join(f"{n}.gz" for n in FILES)
+    return (
+        f"MNIST-format data not found in {raw} (need {names}; extracted files work too). "
+        f"Fix: set data.root=... to a folder containing {raw.parent.name}/raw/ with these files, "
+        "or connect to the internet and set data.download=true." + (f"\n{detail}" if detail else "")
+    )
+
+
+def load_split(root: Path, spec: DatasetSpec, train: bool) -> tuple[Tensor, Tensor]:
+    """Official train or test split as (uint8 [N,28,28], int64 [N])."""
+    raw = Path(root) / spec.folder / "raw"
+    prefix = "train" if train else "t10k"
+    image_file = _find(raw, f"{prefix}-images-idx3-ubyte")
+    label_file = _find(raw, f"{prefix}-labels-idx1-ubyte")
+    if image_file is None or label_file is None:
+        raise DataError(_offline_message(raw))
+    images, labels = read_idx(image_file, 3), read_idx(label_file, 1)
+    if images.shape[1:] != (28, 28):
+        raise DataError(f"{image_file}: images are {images.shape[1:]}, expected 28x28")
+    if len(images) != len(labels):
+        raise DataError(
+            f"{image_file} has {len(images)} images but {label_file} has "
+            f"{len(labels)} labels; one of them is from a different or broken download"
+        )
+    if len(labels) and labels.max() >= len(spec.classes):
+        raise DataError(
+            f"{label_file}: label {labels.max()} outside [0, {len(spec.classes)}) "
+            f"for {spec.folder}; wrong dataset in this folder?"
+        )
+    return torch.from_numpy(images), torch.from_numpy(labels).long()
+
+
+# --- downloading
+
+
+def _fetch(url: str, dest: Path, md5: str, progress: Progress) -> None:
+    """Stream url to a temp file beside dest, check md5, then atomically rename."""
+    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f"{dest.name}.", suffix=".part")
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.md5()
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=30) as response:
+            total = response.headers.get("Content-Length")
+            task = progress.add_task(dest.name, total=int(total) if total else None)
+            while chunk := response.read(1 << 16):
+                out.write(chunk)
+                digest.update(chunk)
+                progress.advance(task, len(chunk))
+        if digest.hexdigest() != md5:
+            raise ValueError(f"md5 {digest.hexdigest()} != expected {md5}")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def download(root: Path, spec: DatasetSpec) -> None:
+    """Fetch only the missing files, trying each mirror in order; never leaves partial files."""
+    raw = Path(root) / spec.folder / "raw"
+    missing = _missing(raw)
+    if not missing:
+        return
+    raw.mkdir(parents=True, exist_ok=True)
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+    )
+    with Progress(*columns) as progress:
+        for name in missing:
+            gz = f"{name}.gz"
+            last_error = "no mirrors configured"
+            for mirror in spec.mirrors:
+                try:
+                    _fetch(mirror + gz, raw / gz, spec.md5[gz], progress)
+                    break
+                except (OSError, ValueError, http.client.HTTPException) as e:
+                    last_error = f"{mirror + gz}: {type(e).__name__}: {e}"
+            else:
+                detail = f"Download failed from {', '.join(spec.mirrors)}; last error: {last_error}"
+                raise DataError(_offline_message(raw, detail))
+
+
+# --- datasets
+
+
+class Batch(NamedTuple):
+    images: Tensor  # float32 [B,1,28,28], normalised
+    labels: Tensor  # int64 [B]
+    indices: Tensor  # int64 [B], position in the official file
+
+
+def keep_batch(batch: Batch) -> Batch:
+    """collate_fn: __getitems__ already returns a collated Batch (module-level so it pickles)."""
+    return batch
+
+
+class ImageBatches(Dataset):
+    """Whole batches with one vectorised index instead of B per-sample calls and a collate."""
+
+    def __init__(
+        self,
+        images: Tensor,
+        labels: Tensor,
+        mean: float,
+        std: float,
+        source_indices: Tensor | None = None,
+    ) -> None:
+        self.images, self.labels, self.mean, self.std = images, labels, mean, std
+        self.source_indices = (
+            torch.arange(len(images)) if source_indices is None else source_indices
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitems__(self, indices: list[int]) -> Batch:
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        images = self.images[idx].unsqueeze(1).float().div_(255).sub_(self.mean).div_(self.std)
+        return Batch(images, self.labels[idx], self.source_indices[idx])
+
+    def __getitem__(self, i: int) -> Batch:
+        batch = self.__getitems__([i])
+        return Batch(batch.images[0], batch.labels[0], batch.indices[0])
+
+
+# --- data module
+
+
+def per_device_batch_size(global_batch: int, world_size: int) -> int:
+    """The configured batch size is global so results don't change with the device count."""
+    if global_batch <= 0 or global_batch % world_size:
+        nearest = max(world_size, round(global_batch / world_size) * world_size)
+        raise DataError(
+            f"data.batch_size={global_batch} is the global batch size and must be divisible by "
+            f"the world size {world_size} (devices x num_nodes); use e.g. data.batch_size={nearest}"
+        )
+    return global_batch // world_size
+
+
+class MNISTDataModule(LightningDataModule):
+    """Train/val carved deterministically from the official train file; test is the t10k file."""
+
+    def __init__(
+        self,
+        name: str,
+        root: str,
+        download: bool,
+        batch_size: int,
+        val_size: int,
+        num_workers: int = 0,
+        split_seed: int = 12345,
+        pin_memory: bool = False,
+    ) -> None:
+        super().__init__()
+        if name not in DATASETS:
+            raise DataError(f"data.name={name!r} is unknown; valid names: {', '.join(DATASETS)}")
+        self.save_hyperparameters(logger=False)  # stored in checkpoints; tracking logs the config
+        self.spec = DATASETS[name]
+        self.root = Path(root).expanduser()
+        self.per_device_batch_size = batch_size
+        self.predict_split = "test"  # set by the predict entry point
+        self.train_set: ImageBatches | None = None
+        self.val_set: ImageBatches | None = None
+        self.test_set: ImageBatches | None = None
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return self.spec.classes
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.spec.classes)
+
+    def prepare_data(self) -> None:
+        raw = self.root / self.spec.folder / "raw"
+        if _missing(raw):
+            if not self.hparams.download:
+                raise DataError(_offline_message(raw))
+            download(self.root, self.spec)
+
+    def setup(self, stage: str | None = None) -> None:
+        world = self.trainer.world_size if self.trainer is not None else 1
+        self.per_device_batch_size = per_device_batch_size(self.hparams.batch_size, world)
+        if stage in (None, "fit", "validate") or (
+            stage == "predict" and self.predict_split != "test"
+        ):
+            self._load_train()
+        if stage in (None, "test") or (stage == "predict" and self.predict_split == "test"):
+            self._load_test()
+
+    def _load_train(self) -> None:
+        if self.train_set is not None:  # setup may run more than once
+            return
+        images, labels = load_split(self.root, self.spec, train=True)
+        n, val_size = len(labels), self.hparams.val_size
+        if not 0 < val_size < n:
+            raise DataError(
+                f"data.val_size={val_size} must be in (0, {n}) for {n} training samples"
+            )
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.split_seed))
+        val_idx, train_idx = perm[:val_size], perm[val_size:]
+        m, s = self.spec.mean, self.spec.std
+        self.val_set = ImageBatches(images[val_idx], labels[val_idx], m, s, val_idx)
+        self.train_set = ImageBatches(images[train_idx], labels[train_idx], m, s, train_idx)
+
+    def _load_test(self) -> None:
+        if self.test_set is None:
+            images, labels = load_split(self.root, self.spec, train=False)
+            self.test_set = ImageBatches(images, labels, self.spec.mean, self.spec.std)
+
+    def _loader(self, dataset: ImageBatches | None, shuffle: bool) -> DataLoader:
+        if dataset is None:
+            raise DataError("dataloader requested before setup() loaded its split")
+        workers = self.hparams.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=self.per_device_batch_size,
+            shuffle=shuffle,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            pin_memory=self.hparams.pin_memory,
+            collate_fn=keep_batch,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        if self.predict_split not in SPLITS:
+            raise DataError(f"predict split {self.predict_split!r} must be one of {SPLITS}")
+        (self._load_test if self.predict_split == "test" else self._load_train)()
+        return self._loader(getattr(self, f"{self.predict_split}_set"), shuffle=False)
