@@ -1,0 +1,106 @@
+"""Training logic around the ConvNet: loss, one set of torchmetrics per stage, optimiser.
+
+Every reported number comes from a torchmetrics state, so under DDP it is synced exactly in
+``compute()`` (sums of per-sample values and counts) instead of averaging per-rank means.
+"""
+
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MaxMetric, MeanMetric, SumMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from src.data import Batch
+from src.net import ConvNet
+
+
+def stage_metrics(num_classes: int) -> nn.ModuleDict:
+    """``<stage>/loss`` (per-sample mean), ``<stage>/acc`` (micro) and ``<stage>/samples`` (count).
+
+    NaN checks and argument validation are off: they force a device-to-host sync on every step,
+    and the data module already validates labels when it reads them.
+    """
+    return nn.ModuleDict(
+        {
+            "loss": MeanMetric(nan_strategy="disable"),
+            "acc": MulticlassAccuracy(num_classes, average="micro", validate_args=False),
+            "samples": SumMetric(nan_strategy="disable"),
+        }
+    )
+
+
+class ImageClassifier(L.LightningModule):
+    """Classifies images with a :class:`~src.net.ConvNet` built from ``net`` (config values)."""
+
+    def __init__(
+        self, net: dict[str, Any], lr: float, weight_decay: float = 0.0, num_classes: int = 10
+    ) -> None:
+        super().__init__()
+        # Only plain values go into checkpoints (loadable with weights_only=True); the tracking
+        # module logs the whole resolved config, so Lightning's own hparams logging is off.
+        self.save_hyperparameters(logger=False)
+        self.net = ConvNet(num_classes=num_classes, **net)
+        self.train_metrics = stage_metrics(num_classes)
+        self.val_metrics = stage_metrics(num_classes)
+        self.test_metrics = stage_metrics(num_classes)
+        # Best validation accuracy so far; persistent so a resumed run keeps it.
+        self.val_acc_best = MaxMetric(nan_strategy="disable")
+        self.val_acc_best.persistent(True)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net(images)
+
+    def _step(self, batch: Batch, stage: str) -> torch.Tensor:
+        logits = self(batch.images)
+        losses = F.cross_entropy(logits, batch.labels, reduction="none")
+        metrics = getattr(self, f"{stage}_metrics")
+        metrics["loss"].update(losses.detach())
+        metrics["acc"].update(logits.detach(), batch.labels)
+        metrics["samples"].update(batch.labels.numel())
+        for name, metric in metrics.items():
+            # Metric objects are computed (and synced across ranks) once, at epoch end.
+            self.log(
+                f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name == "acc"
+            )
+        return losses.mean()
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        self._step(batch, "test")
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:  # a couple of batches: not a real accuracy
+            return
+        self.val_acc_best.update(self.val_metrics["acc"].compute())
+        # compute() returned the same synced value on every rank, so no further reduction.
+        self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True)
+
+    def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        confidence, predicted = self(batch.images).softmax(dim=1).max(dim=1)
+        return {
+            "index": batch.indices,
+            "label": batch.labels,
+            "predicted": predicted,
+            "confidence": confidence,
+        }
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
+        )
+        # Cosine decay over the planned epochs; per-epoch, so a resumed run restores it exactly.
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+            optimizer, T_max=max(1, self.trainer.max_epochs or 1)
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "epoch", "name": "train/lr"},
+        }

@@ -1,0 +1,60 @@
+"""The LightningModule's metrics are exact per-sample values, whatever the batch size."""
+
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from src.data import MNISTDataModule
+from src.model import ImageClassifier
+from tests.conftest import VAL_SIZE
+
+NET = {"channels": [8, 16], "hidden": 32, "dropout": 0.0, "batch_norm": True}
+
+
+def validate(model: ImageClassifier, root: Path, batch_size: int) -> dict[str, float]:
+    datamodule = MNISTDataModule(
+        name="mnist", root=str(root), download=False, batch_size=batch_size, val_size=VAL_SIZE
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    return trainer.validate(model, datamodule=datamodule, verbose=False)[0]
+
+
+def test_loss_mean_does_not_depend_on_batch_size(tiny_root: Path) -> None:
+    torch.manual_seed(0)
+    model = ImageClassifier(net=NET, lr=0.01)
+    results = [validate(model, tiny_root, batch_size) for batch_size in (1, 7, 64)]
+    # 67 samples: batches of 7 and 64 leave a short last batch that must not be over-weighted.
+    for result in results:
+        assert result["val/samples"] == VAL_SIZE
+        assert result["val/loss"] == pytest.approx(results[0]["val/loss"], abs=1e-6)
+        assert result["val/acc"] == results[0]["val/acc"]
+
+    datamodule = MNISTDataModule(
+        name="mnist", root=str(tiny_root), download=False, batch_size=VAL_SIZE, val_size=VAL_SIZE
+    )
+    datamodule.setup("validate")
+    batch = datamodule.val_set.__getitems__(list(range(VAL_SIZE)))
+    model.eval()
+    with torch.no_grad():
+        logits = model(batch.images)
+    assert results[0]["val/loss"] == pytest.approx(F.cross_entropy(logits, batch.labels).item())
+    expected_acc = (logits.argmax(1) == batch.labels).float().mean().item()
+    assert results[0]["val/acc"] == pytest.approx(expected_acc)
+
+
+def test_best_val_acc_travels_in_the_checkpoint() -> None:
+    model = ImageClassifier(net=NET, lr=0.01)
+    model.val_acc_best.update(torch.tensor(0.75))
+    restored = ImageClassifier(net=NET, lr=0.01)
+    restored.load_state_dict(model.state_dict())
+    assert restored.val_acc_best.max_value == 0.75  # the state itself, saved and loaded
+
+
+def test_hyperparameters_are_plain_values() -> None:
+    model = ImageClassifier(net=NET, lr=0.01, weight_decay=0.0, num_classes=10)
+    assert dict(model.hparams) == {"net": NET, "lr": 0.01, "weight_decay": 0.0, "num_classes": 10}
