@@ -1,0 +1,28 @@
+"""``python -m src.eval ckpt_path=PATH [split=test|val]``: evaluate a checkpoint and report."""
+
+import hydra
+import lightning.pytorch as L
+from omegaconf import DictConfig
+
+from src import reporting, tracking
+from src.checkpoint import load_for_inference
+from src.trainer import build_trainer
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
+def main(cfg: DictConfig) -> dict[str, float]:
+    reporting.show_config(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    model, datamodule = load_for_inference(cfg.ckpt_path, cfg.data)
+    loggers = tracking.build_loggers(cfg)
+    trainer = build_trainer(cfg, loggers, fitting=False)
+    evaluate = {"test": trainer.test, "val": trainer.validate}[cfg.split]
+    with tracking.failed_on_error(loggers):
+        tracking.log_config(loggers, cfg, trainer.world_size)
+        metrics = evaluate(model, datamodule=datamodule)[0]
+    reporting.report_metrics(metrics, cfg.paths.output_dir)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""``python -m src.predict ckpt_path=PATH [split=test|val|train]``: write a predictions CSV.
+
+The CSV has one row per sample (index in the official file, true label, predicted label,
+confidence), in dataset order; its path is printed at the end.
+"""
+
+from pathlib import Path
+
+import hydra
+import lightning.pytorch as L
+from omegaconf import DictConfig
+
+from src import reporting
+from src.checkpoint import load_for_inference
+from src.trainer import build_trainer
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="predict")
+def main(cfg: DictConfig) -> Path:
+    reporting.show_config(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    model, datamodule = load_for_inference(cfg.ckpt_path, cfg.data)
+    datamodule.predict_split = cfg.split
+    trainer = build_trainer(cfg, loggers=[], fitting=False)
+    batches = trainer.predict(model, datamodule=datamodule)
+    path = Path(cfg.paths.output_dir) / f"predictions_{cfg.split}.csv"
+    metrics = reporting.write_predictions(batches, path)
+    reporting.report_metrics(metrics, cfg.paths.output_dir)
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""What a job shows and leaves behind for people and scripts: the resolved config at start,
+the results table and ``metrics.json`` at the end. Rank 0 only."""
+
+import csv
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.tree import Tree
+
+console = Console()
+
+
+@rank_zero_only
+def show_config(cfg: DictConfig) -> None:
+    """Print the resolved config as a tree (one branch per group) and save it as YAML."""
+    tree = Tree("config", guide_style="dim")
+    for key, value in cfg.items():
+        text = OmegaConf.to_yaml(value, resolve=True) if isinstance(value, DictConfig) else value
+        tree.add(f"[bold]{key}[/]").add(Syntax(str(text).rstrip(), "yaml", theme="ansi_dark"))
+    console.print(tree)
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+@rank_zero_only
+def report_metrics(metrics: Mapping[str, float], output_dir: str) -> None:
+    """Print a results table and write ``metrics.json``: a flat object of final metric values."""
+    table = Table("metric", "value", title="Results")
+    for name, value in sorted(metrics.items()):
+        table.add_row(name, f"{value:.6g}")
+    console.print(table)
+    path = Path(output_dir) / "metrics.json"
+    path.write_text(json.dumps(dict(sorted(metrics.items())), indent=2) + "\n")
+    console.print(f"metrics written to {path}")
+
+
+@rank_zero_only
+def write_predictions(
+    batches: Sequence[Mapping[str, torch.Tensor]], path: Path
+) -> dict[str, float]:
+    """Write predict batches as one CSV in dataset order; return its sample count and accuracy."""
+    columns = {key: torch.cat([batch[key] for batch in batches]).cpu() for key in batches[0]}
+    order = columns["index"].argsort()
+    index, label, predicted, confidence = (
+        columns[key][order] for key in ("index", "label", "predicted", "confidence")
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["index", "label", "predicted", "confidence"])
+        confidences = (f"{c:.6f}" for c in confidence.tolist())
+        rows = zip(index.tolist(), label.tolist(), predicted.tolist(), confidences, strict=True)
+        writer.writerows(rows)
+    console.print(f"predictions written to {path}")
+    return {
+        "predict/samples": float(len(index)),
+        "predict/acc": (predicted == label).double().mean().item(),
+    }

@@ -1,0 +1,37 @@
+"""``python -m src.train [overrides]``: fit, test the best checkpoint, report.
+
+Returns the metric named by ``optimized_metric`` so Hydra sweepers can optimise it.
+"""
+
+import hydra
+import lightning.pytorch as L
+from omegaconf import DictConfig, OmegaConf
+
+from src import reporting, tracking
+from src.data import MNISTDataModule
+from src.model import ImageClassifier
+from src.trainer import build_trainer
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    reporting.show_config(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule = MNISTDataModule(**cfg.data)
+    model = ImageClassifier(
+        num_classes=datamodule.num_classes, **OmegaConf.to_container(cfg.model, resolve=True)
+    )
+    loggers = tracking.build_loggers(cfg)
+    trainer = build_trainer(cfg, loggers, fitting=True)
+    with tracking.failed_on_error(loggers):
+        tracking.log_config(loggers, cfg, trainer.world_size)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        best = trainer.checkpoint_callback.best_model_path
+        metrics.update(trainer.test(model, datamodule=datamodule, ckpt_path=best)[0])
+    reporting.report_metrics(metrics, cfg.paths.output_dir)
+    return metrics.get(cfg.optimized_metric)
+
+
+if __name__ == "__main__":
+    main()

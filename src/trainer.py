@@ -1,0 +1,68 @@
+"""Assembles the Lightning ``Trainer`` (hardware, strategy, callbacks) from config."""
+
+from pathlib import Path
+
+import lightning.pytorch as L
+from lightning.pytorch.callbacks import (
+    Callback,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    RichModelSummary,
+    RichProgressBar,
+    TQDMProgressBar,
+)
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig, OmegaConf
+
+
+def build_callbacks(cfg: DictConfig, fitting: bool, has_logger: bool) -> list[Callback]:
+    """Progress bar always; checkpointing, model summary and LR monitor only when training."""
+    callbacks: list[Callback] = []
+    bar = cfg.callbacks.progress_bar
+    if bar == "rich":
+        callbacks.append(RichProgressBar())
+    elif bar == "tqdm":
+        callbacks.append(TQDMProgressBar())
+    if not fitting:
+        return callbacks
+    ckpt = cfg.callbacks.checkpoint
+    ckpt_dir = Path(cfg.paths.output_dir) / "checkpoints"
+    # Both save at train-epoch end (after validation), the point a resume continues from.
+    best = ModelCheckpoint(
+        dirpath=ckpt_dir,
+        # Metric names contain "/", which would become folders if inserted automatically.
+        filename="epoch{epoch:03d}-acc{val/acc:.4f}",
+        auto_insert_metric_name=False,
+        monitor=ckpt.monitor,
+        mode=ckpt.mode,
+        save_top_k=ckpt.save_top_k,
+        save_on_train_epoch_end=True,
+    )
+    # A separate callback: Lightning's save_last only writes when a new best was saved.
+    last = ModelCheckpoint(
+        dirpath=ckpt_dir,
+        filename="last",
+        enable_version_counter=False,
+        save_on_train_epoch_end=True,
+    )
+    callbacks += [best, last]
+    callbacks.append(RichModelSummary(max_depth=cfg.callbacks.model_summary_depth))
+    if has_logger:  # LearningRateMonitor refuses to run without a logger
+        callbacks.append(LearningRateMonitor(logging_interval="epoch"))
+    return callbacks
+
+
+def build_trainer(cfg: DictConfig, loggers: list[Logger], fitting: bool) -> L.Trainer:
+    """A Trainer for ``cfg``: hardware from the top-level keys, loop settings from ``trainer``."""
+    return L.Trainer(
+        accelerator=cfg.accelerator,
+        devices=cfg.devices,
+        num_nodes=cfg.num_nodes,
+        strategy=cfg.strategy.name,
+        logger=loggers or False,
+        callbacks=build_callbacks(cfg, fitting, has_logger=bool(loggers)),
+        enable_progress_bar=cfg.callbacks.progress_bar != "none",
+        enable_model_summary=fitting,
+        default_root_dir=cfg.paths.output_dir,
+        **OmegaConf.to_container(cfg.trainer, resolve=True),
+    )
