@@ -1,0 +1,74 @@
+"""``python -m src.eval`` on the checkpoint of the shared training job."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import N_TEST, VAL_SIZE, read_metrics, run_entry
+
+pytestmark = pytest.mark.slow
+
+
+def best_checkpoint(run_dir: Path) -> Path:
+    (path,) = (run_dir / "checkpoints").glob("epoch*-acc*.ckpt")
+    return path
+
+
+def test_eval_reproduces_the_training_jobs_test_metrics(
+    trained: dict[str, Path], tiny_root: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "eval"
+    run_entry(
+        "eval",
+        f"ckpt_path={best_checkpoint(trained['run_dir'])}",
+        f"data.root={tiny_root}",
+        "logger=none",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    metrics, trained_metrics = read_metrics(run_dir), read_metrics(trained["run_dir"])
+    assert metrics["test/samples"] == N_TEST
+    # The training job tested the same best checkpoint on the same data.
+    assert metrics["test/acc"] == trained_metrics["test/acc"]
+    assert metrics["test/loss"] == pytest.approx(trained_metrics["test/loss"], abs=1e-6)
+
+
+def test_eval_on_the_validation_split(
+    trained: dict[str, Path], tiny_root: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "eval"
+    run_entry(
+        "eval",
+        f"ckpt_path={best_checkpoint(trained['run_dir'])}",
+        f"data.root={tiny_root}",
+        f"data.val_size={VAL_SIZE}",
+        "split=val",
+        "logger=none",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    metrics = read_metrics(run_dir)
+    assert metrics["val/samples"] == VAL_SIZE
+    assert metrics["val/acc"] == read_metrics(trained["run_dir"])["val/acc_best"]
+
+
+def test_eval_refuses_a_checkpoint_of_another_dataset(
+    trained: dict[str, Path], tiny_root: Path, tmp_path: Path
+) -> None:
+    proc = run_entry(
+        "eval",
+        f"ckpt_path={best_checkpoint(trained['run_dir'])}",
+        f"data.root={tiny_root}",
+        "data=fashion_mnist",
+        "logger=none",
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "was trained on mnist but data=fashion_mnist; add data=mnist" in proc.stderr
+
+
+def test_eval_without_checkpoint_says_what_to_pass(tmp_path: Path) -> None:
+    proc = run_entry("eval", "logger=none", cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "ckpt_path is required" in proc.stderr
