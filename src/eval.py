@@ -5,23 +5,29 @@ import lightning.pytorch as L
 from omegaconf import DictConfig
 
 from src import reporting, tracking
-from src.checkpoint import load_for_inference
+from src.checkpoint import CheckpointError, load_for_inference
+from src.data import DataError
 from src.trainer import build_trainer
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
-def main(cfg: DictConfig) -> dict[str, float]:
+def evaluate(cfg: DictConfig) -> dict[str, float]:
     reporting.show_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
     model, datamodule = load_for_inference(cfg.ckpt_path, cfg.data)
     loggers = tracking.build_loggers(cfg)
     trainer = build_trainer(cfg, loggers, fitting=False)
-    evaluate = {"test": trainer.test, "val": trainer.validate}[cfg.split]
+    run_loop = {"test": trainer.test, "val": trainer.validate}[cfg.split]
     with tracking.failed_on_error(loggers):
         tracking.log_config(loggers, cfg, trainer.world_size)
-        metrics = evaluate(model, datamodule=datamodule)[0]
+        metrics = run_loop(model, datamodule=datamodule)[0]
     reporting.report_metrics(metrics, cfg.paths.output_dir)
     return metrics
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
+def main(cfg: DictConfig) -> dict[str, float]:
+    with reporting.short_errors(DataError, CheckpointError):
+        return evaluate(cfg)
 
 
 if __name__ == "__main__":

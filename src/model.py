@@ -43,6 +43,7 @@ class ImageClassifier(L.LightningModule):
         # module logs the whole resolved config, so Lightning's own hparams logging is off.
         self.save_hyperparameters(logger=False)
         self.net = ConvNet(num_classes=num_classes, **net)
+        self.example_input_array = torch.zeros(1, 1, 28, 28)  # shapes and FLOPs in the summary
         self.train_metrics = stage_metrics(num_classes)
         self.val_metrics = stage_metrics(num_classes)
         self.test_metrics = stage_metrics(num_classes)

@@ -11,12 +11,12 @@ import lightning.pytorch as L
 from omegaconf import DictConfig
 
 from src import reporting
-from src.checkpoint import load_for_inference
+from src.checkpoint import CheckpointError, load_for_inference
+from src.data import DataError
 from src.trainer import build_trainer
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="predict")
-def main(cfg: DictConfig) -> Path:
+def predict(cfg: DictConfig) -> Path:
     reporting.show_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
     model, datamodule = load_for_inference(cfg.ckpt_path, cfg.data)
@@ -27,6 +27,12 @@ def main(cfg: DictConfig) -> Path:
     metrics = reporting.write_predictions(batches, path)
     reporting.report_metrics(metrics, cfg.paths.output_dir)
     return path
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="predict")
+def main(cfg: DictConfig) -> Path:
+    with reporting.short_errors(DataError, CheckpointError):
+        return predict(cfg)
 
 
 if __name__ == "__main__":

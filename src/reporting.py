@@ -3,7 +3,8 @@ the results table and ``metrics.json`` at the end. Rank 0 only."""
 
 import csv
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -15,6 +16,18 @@ from rich.table import Table
 from rich.tree import Tree
 
 console = Console()
+errors = Console(stderr=True)
+
+
+@contextmanager
+def short_errors(*expected: type[Exception]) -> Iterator[None]:
+    """Show expected errors (bad data, a wrong checkpoint path) as their one-line message and
+    exit 1, instead of a traceback through Lightning and Hydra; anything else still raises."""
+    try:
+        yield
+    except expected as error:
+        errors.print(f"[bold red]Error:[/] {error}", highlight=False, soft_wrap=True)
+        raise SystemExit(1) from error
 
 
 @rank_zero_only

@@ -8,13 +8,12 @@ import lightning.pytorch as L
 from omegaconf import DictConfig, OmegaConf
 
 from src import reporting, tracking
-from src.data import MNISTDataModule
+from src.data import DataError, MNISTDataModule
 from src.model import ImageClassifier
 from src.trainer import build_trainer
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
-def main(cfg: DictConfig) -> float | None:
+def train(cfg: DictConfig) -> float | None:
     reporting.show_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = MNISTDataModule(**cfg.data)
@@ -31,6 +30,12 @@ def main(cfg: DictConfig) -> float | None:
         metrics.update(trainer.test(model, datamodule=datamodule, ckpt_path=best)[0])
     reporting.report_metrics(metrics, cfg.paths.output_dir)
     return metrics.get(cfg.optimized_metric)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    with reporting.short_errors(DataError):
+        return train(cfg)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ def build_callbacks(cfg: DictConfig, fitting: bool, has_logger: bool) -> list[Ca
         return callbacks
     ckpt = cfg.callbacks.checkpoint
     ckpt_dir = Path(cfg.paths.output_dir) / "checkpoints"
+    short_name = ckpt.monitor.rsplit("/", 1)[-1]  # val/acc -> epoch002-acc0.9176.ckpt
     # Both save at train-epoch end (after validation), the point a resume continues from.
     best = ModelCheckpoint(
         dirpath=ckpt_dir,
         # Metric names contain "/", which would become folders if inserted automatically.
-        filename="epoch{epoch:03d}-acc{val/acc:.4f}",
+        filename=f"epoch{{epoch:03d}}-{short_name}{{{ckpt.monitor}:.4f}}",
         auto_insert_metric_name=False,
         monitor=ckpt.monitor,
         mode=ckpt.mode,

@@ -101,3 +101,20 @@ def test_failing_run_is_marked_failed(tiny_root: Path, tmp_path: Path) -> None:
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
     assert [run.info.status for run in runs] == ["FAILED"]
+
+
+def test_missing_data_is_one_short_error(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    proc = run_entry(
+        "train",
+        f"data.root={empty}",
+        "data.download=false",
+        "logger=none",
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert f"not found in {empty}/MNIST/raw" in proc.stderr.replace("\n", "")
+    assert "data.root=" in proc.stderr and "train-images-idx3-ubyte.gz" in proc.stderr
+    assert not empty.exists(), "nothing is written when nothing can be read"
