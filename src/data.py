@@ -18,7 +18,9 @@ import torch
 from lightning.pytorch import LightningDataModule
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from src.distributed import GlobalBatchSampler, UnpaddedSampler
 
 FILES = (
     "train-images-idx3-ubyte",
@@ -277,6 +279,7 @@ class MNISTDataModule(LightningDataModule):
         val_size: int,
         num_workers: int = 0,
         split_seed: int = 12345,
+        shuffle_seed: int = 0,
         pin_memory: bool = False,
     ) -> None:
         super().__init__()
@@ -336,31 +339,45 @@ class MNISTDataModule(LightningDataModule):
             images, labels = load_split(self.root, self.spec, train=False)
             self.test_set = ImageBatches(images, labels, self.spec.mean, self.spec.std)
 
-    def _loader(self, dataset: ImageBatches | None, shuffle: bool) -> DataLoader:
+    def _world(self) -> tuple[int, int]:
+        """(world size, global rank): what the samplers split the data over."""
+        if self.trainer is None:
+            return 1, 0
+        return self.trainer.world_size, self.trainer.global_rank
+
+    def _loader(self, dataset: ImageBatches | None, sampler: Sampler) -> DataLoader:
         if dataset is None:
             raise DataError("dataloader requested before setup() loaded its split")
         workers = self.hparams.num_workers
         return DataLoader(
             dataset,
             batch_size=self.per_device_batch_size,
-            shuffle=shuffle,
+            sampler=sampler,
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=self.hparams.pin_memory,
             collate_fn=keep_batch,
         )
 
+    def _eval_loader(self, dataset: ImageBatches | None) -> DataLoader:
+        """Every sample exactly once across ranks: exact val/test/predict metrics for any N."""
+        return self._loader(dataset, UnpaddedSampler(dataset, *self._world()))
+
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        """The same global batches, in the same order, for any number of devices."""
+        sampler = GlobalBatchSampler(
+            self.train_set, *self._world(), self.hparams.batch_size, self.hparams.shuffle_seed
+        )
+        return self._loader(self.train_set, sampler)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._eval_loader(self.val_set)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
+        return self._eval_loader(self.test_set)
 
     def predict_dataloader(self) -> DataLoader:
         if self.predict_split not in SPLITS:
             raise DataError(f"predict split {self.predict_split!r} must be one of {SPLITS}")
         (self._load_test if self.predict_split == "test" else self._load_train)()
-        return self._loader(getattr(self, f"{self.predict_split}_set"), shuffle=False)
+        return self._eval_loader(getattr(self, f"{self.predict_split}_set"))

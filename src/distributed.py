@@ -1,0 +1,130 @@
+"""Everything rank-aware in one place: the strategy, and the samplers that make results
+independent of the number of processes.
+
+* Evaluation: every sample exactly once. Lightning's default sampler pads val/test/predict
+  with duplicates so ranks get equal shares (10,000 test samples on 3 ranks evaluate 10,002);
+  :class:`UnpaddedSampler` gives ranks shares that differ by at most one sample instead.
+  Metric states are then summed across ranks in ``compute()``, so the numbers are exact.
+* Training: the same global batches for any world size. :class:`GlobalBatchSampler` draws one
+  permutation per epoch from the seed alone and gives each rank its slice of every global
+  batch, so ``devices=1`` and ``devices=4`` see the same batches in the same order.
+
+Both subclass ``DistributedSampler``, which tells Lightning to leave them in place.
+"""
+
+import logging
+from collections.abc import Iterator
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.utilities import rank_zero_warn
+from omegaconf import DictConfig
+from torch.utils.data import Dataset, DistributedSampler
+
+log = logging.getLogger(__name__)
+
+
+class UnpaddedSampler(DistributedSampler):
+    """Rank ``r`` of ``w`` evaluates samples ``r, r + w, r + 2w, ...``: none padded or dropped."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+        self.total_size = len(dataset)
+        self.num_samples = len(range(rank, self.total_size, num_replicas))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.total_size, self.num_replicas))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class GlobalBatchSampler(DistributedSampler):
+    """Shuffles with ``seed + epoch`` and cuts the permutation into global batches of
+    ``global_batch_size``; rank ``r`` takes the ``r``-th of ``num_replicas`` equal parts of each.
+
+    The last incomplete global batch is dropped, so every rank runs the same number of equal
+    steps and the averaged DDP gradient is the gradient of the global batch.
+    """
+
+    def __init__(
+        self, dataset: Dataset, num_replicas: int, rank: int, global_batch_size: int, seed: int
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        if global_batch_size % num_replicas:
+            raise ValueError(f"global batch {global_batch_size} does not split over {num_replicas}")
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // num_replicas
+        self.num_batches = len(dataset) // global_batch_size
+        if self.num_batches == 0:
+            raise ValueError(
+                f"data.batch_size={global_batch_size} is larger than the {len(dataset)} "
+                "training samples; lower it"
+            )
+        self.num_samples = self.num_batches * self.local_batch_size
+        self.total_size = self.num_batches * global_batch_size
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=generator)[: self.total_size]
+        shares = order.view(self.num_batches, self.num_replicas, self.local_batch_size)
+        return iter(shares[:, self.rank].reshape(-1).tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def build_strategy(cfg: DictConfig) -> str | Strategy:
+    """``strategy=auto`` → Lightning's choice; ``strategy=ddp`` → one process per device.
+
+    The process group backend defaults to the accelerator's (nccl on GPU, gloo on CPU).
+    """
+    if cfg.name != "ddp":
+        return cfg.name
+    return DDPStrategy(
+        process_group_backend=cfg.process_group_backend,
+        find_unused_parameters=cfg.find_unused_parameters,
+    )
+
+
+def use_sync_batchnorm(cfg: DictConfig) -> bool:
+    """``strategy.sync_batchnorm`` where it can apply; where it cannot, a warning, never a crash."""
+    if not cfg.strategy.sync_batchnorm:
+        return False
+    on_gpu = cfg.accelerator in ("gpu", "cuda") or (
+        cfg.accelerator == "auto" and torch.cuda.is_available()
+    )
+    if not cfg.model.net.batch_norm:
+        reason = "the model has no BatchNorm layers (model.net.batch_norm=false)"
+    elif not on_gpu:
+        reason = (
+            "torch's SyncBatchNorm runs on GPUs only; on CPU each rank keeps its own statistics"
+        )
+    else:
+        return True
+    rank_zero_warn(f"strategy.sync_batchnorm=true is ignored: {reason}")
+    return False
+
+
+class LogRankSetup(Callback):
+    """Each rank writes what it really runs with to its own log (Hydra gives every rank a file):
+    the proof, after the fact, that ranks agree on hyperparameters and do not oversubscribe."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        backend = getattr(trainer.strategy, "process_group_backend", None) or "none"
+        datamodule = trainer.datamodule
+        log.info(
+            "rank %d/%d (node %d, local %d) %s: backend %s, %d CPU threads, lr %s, "
+            "per-device batch %s",
+            trainer.global_rank,
+            trainer.world_size,
+            trainer.node_rank,
+            trainer.local_rank,
+            getattr(stage, "value", stage),
+            backend,
+            torch.get_num_threads(),
+            pl_module.hparams.get("lr"),
+            getattr(datamodule, "per_device_batch_size", None),
+        )
