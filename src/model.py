@@ -81,8 +81,15 @@ class ImageClassifier(L.LightningModule):
         if self.trainer.sanity_checking:  # a couple of batches: not a real accuracy
             return
         self.val_acc_best.update(self.val_metrics["acc"].compute())
-        # compute() returned the same synced value on every rank, so no further reduction.
-        self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True)
+        # compute() returned the same synced value on every rank; "max" of equal values keeps
+        # it exact (a mean would also be, but Lightning floors integer batch-size totals).
+        self.log(
+            "val/acc_best",
+            self.val_acc_best.compute(),
+            prog_bar=True,
+            sync_dist=True,
+            reduce_fx="max",
+        )
 
     def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
         confidence, predicted = self(batch.images).softmax(dim=1).max(dim=1)

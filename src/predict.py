@@ -21,12 +21,12 @@ def predict(cfg: DictConfig) -> Path:
     L.seed_everything(cfg.seed, workers=True)
     model, datamodule = load_for_inference(cfg.ckpt_path, cfg.data)
     datamodule.predict_split = cfg.split
-    trainer = build_trainer(cfg, loggers=[], fitting=False)
-    batches = trainer.predict(model, datamodule=datamodule)
-    path = Path(cfg.paths.output_dir) / f"predictions_{cfg.split}.csv"
-    metrics = reporting.write_predictions(batches, path)
+    writer = reporting.PredictionWriter(Path(cfg.paths.output_dir) / f"predictions_{cfg.split}.csv")
+    trainer = build_trainer(cfg, loggers=[], fitting=False, extra_callbacks=[writer])
+    trainer.predict(model, datamodule=datamodule, return_predictions=True)
+    metrics = writer.metrics
     reporting.report_metrics(metrics, cfg.paths.output_dir)
-    return path
+    return writer.path
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="predict")

@@ -6,8 +6,11 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as L
 import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -55,20 +58,51 @@ def report_metrics(metrics: Mapping[str, float], output_dir: str) -> None:
     console.print(f"metrics written to {path}")
 
 
-@rank_zero_only
-def write_predictions(
-    batches: Sequence[Mapping[str, torch.Tensor]], path: Path
-) -> dict[str, float]:
-    """Write predict batches as one CSV in dataset order; return its sample count and accuracy."""
-    columns = {key: torch.cat([batch[key] for batch in batches]).cpu() for key in batches[0]}
+class PredictionWriter(BasePredictionWriter):
+    """Writes all ranks' predictions as one CSV in dataset order.
+
+    Each rank saves its share beside the CSV; after a barrier rank 0 merges them. Under
+    multi-node runs the output folder must be on a filesystem every node can reach.
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(write_interval="epoch")
+        self.path = path
+        self.metrics: dict[str, float] = {}
+
+    def _shard(self, rank: int) -> Path:
+        return self.path.with_name(f".{self.path.stem}.rank{rank}.pt")
+
+    def write_on_epoch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        predictions: Sequence[Mapping[str, torch.Tensor]],
+        batch_indices: Sequence[Any],
+    ) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        columns = {key: torch.cat([p[key] for p in predictions]).cpu() for key in COLUMNS}
+        torch.save(columns, self._shard(trainer.global_rank))
+        trainer.strategy.barrier("predictions_written")
+        if trainer.is_global_zero:
+            shards = [self._shard(rank) for rank in range(trainer.world_size)]
+            parts = [torch.load(shard, weights_only=True) for shard in shards]
+            merged = {key: torch.cat([part[key] for part in parts]) for key in COLUMNS}
+            self.metrics = write_predictions(merged, self.path)
+            for shard in shards:
+                shard.unlink()
+
+
+COLUMNS = ("index", "label", "predicted", "confidence")
+
+
+def write_predictions(columns: Mapping[str, torch.Tensor], path: Path) -> dict[str, float]:
+    """Write prediction columns as a CSV sorted by sample index; return count and accuracy."""
     order = columns["index"].argsort()
-    index, label, predicted, confidence = (
-        columns[key][order] for key in ("index", "label", "predicted", "confidence")
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
+    index, label, predicted, confidence = (columns[key][order] for key in COLUMNS)
     with path.open("w", newline="") as file:
         writer = csv.writer(file)
-        writer.writerow(["index", "label", "predicted", "confidence"])
+        writer.writerow(COLUMNS)
         confidences = (f"{c:.6f}" for c in confidence.tolist())
         rows = zip(index.tolist(), label.tolist(), predicted.tolist(), confidences, strict=True)
         writer.writerows(rows)

@@ -1,5 +1,6 @@
 """Assembles the Lightning ``Trainer`` (hardware, strategy, callbacks) from config."""
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -14,10 +15,13 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
+from src.data import per_device_batch_size
+from src.distributed import LogRankSetup, build_strategy, use_sync_batchnorm
+
 
 def build_callbacks(cfg: DictConfig, fitting: bool, has_logger: bool) -> list[Callback]:
     """Progress bar always; checkpointing, model summary and LR monitor only when training."""
-    callbacks: list[Callback] = []
+    callbacks: list[Callback] = [LogRankSetup()]
     bar = cfg.callbacks.progress_bar
     if bar == "rich":
         callbacks.append(RichProgressBar())
@@ -53,17 +57,23 @@ def build_callbacks(cfg: DictConfig, fitting: bool, has_logger: bool) -> list[Ca
     return callbacks
 
 
-def build_trainer(cfg: DictConfig, loggers: list[Logger], fitting: bool) -> L.Trainer:
+def build_trainer(
+    cfg: DictConfig, loggers: list[Logger], fitting: bool, extra_callbacks: Sequence[Callback] = ()
+) -> L.Trainer:
     """A Trainer for ``cfg``: hardware from the top-level keys, loop settings from ``trainer``."""
-    return L.Trainer(
+    trainer = L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
-        strategy=cfg.strategy.name,
+        strategy=build_strategy(cfg.strategy),
+        sync_batchnorm=fitting and use_sync_batchnorm(cfg),
         logger=loggers or False,
-        callbacks=build_callbacks(cfg, fitting, has_logger=bool(loggers)),
+        callbacks=[*build_callbacks(cfg, fitting, has_logger=bool(loggers)), *extra_callbacks],
         enable_progress_bar=cfg.callbacks.progress_bar != "none",
         enable_model_summary=fitting,
         default_root_dir=cfg.paths.output_dir,
         **OmegaConf.to_container(cfg.trainer, resolve=True),
     )
+    # The world size is known now: refuse a global batch that does not split, before any work.
+    per_device_batch_size(cfg.data.batch_size, trainer.world_size)
+    return trainer

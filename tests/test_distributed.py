@@ -1,0 +1,330 @@
+"""Distributed runs give the single-process answer: samplers, then real multi-process jobs.
+
+The end-to-end tests start real processes (gloo on CPU) through the real entry points, in
+subprocesses: a DDP launch inside pytest would re-launch pytest itself.
+"""
+
+import csv
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from torch.utils.data import TensorDataset
+
+from src.distributed import GlobalBatchSampler, UnpaddedSampler
+from tests.conftest import (
+    N_TEST,
+    N_TRAIN,
+    PROJECT,
+    VAL_SIZE,
+    read_metrics,
+    run_entry,
+    tiny_overrides,
+)
+from tests.test_eval import best_checkpoint
+
+
+def dataset(n: int) -> TensorDataset:
+    return TensorDataset(torch.arange(n))
+
+
+# --- samplers
+
+
+@pytest.mark.parametrize("n", [1, 5, 67, 131])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_unpadded_sampler_covers_every_sample_once(n: int, world: int) -> None:
+    shares = [list(UnpaddedSampler(dataset(n), world, rank)) for rank in range(world)]
+    assert sorted(i for share in shares for i in share) == list(range(n))
+    assert [len(s) for s in shares] == [
+        len(UnpaddedSampler(dataset(n), world, r)) for r in range(world)
+    ]
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_global_batches_do_not_depend_on_world_size(world: int) -> None:
+    data, batch = dataset(100), 8
+
+    def global_batches(world: int, epoch: int) -> list[list[int]]:
+        shares = []
+        for rank in range(world):
+            sampler = GlobalBatchSampler(data, world, rank, batch, seed=3)
+            sampler.set_epoch(epoch)
+            shares.append(list(sampler))
+        local = batch // world
+        steps = len(shares[0]) // local
+        return [
+            sorted(i for share in shares for i in share[s * local : (s + 1) * local])
+            for s in range(steps)
+        ]
+
+    single = global_batches(1, epoch=0)
+    assert len(single) == 100 // 8, "the incomplete last global batch is dropped"
+    assert [sorted(b) for b in global_batches(world, epoch=0)] == [sorted(b) for b in single]
+    assert global_batches(1, epoch=1) != single, "each epoch reshuffles"
+    assert len({i for b in single for i in b}) == 96, "no sample twice in an epoch"
+
+
+def test_global_batch_sampler_refuses_a_batch_larger_than_the_data() -> None:
+    with pytest.raises(ValueError, match="larger than the 5 training samples"):
+        GlobalBatchSampler(dataset(5), 1, 0, global_batch_size=8, seed=0)
+
+
+# --- real multi-process jobs
+
+EVAL_BATCH = "data.batch_size=24"  # divides by 1, 2, 3 and 4
+
+
+def evaluate(split: str, devices: int, ckpt: Path, data_root: Path, workdir: Path) -> dict:
+    run_dir = workdir / f"eval-{split}-{devices}"
+    run_entry(
+        "eval",
+        f"ckpt_path={ckpt}",
+        f"data.root={data_root}",
+        f"data.val_size={VAL_SIZE}",
+        EVAL_BATCH,
+        f"split={split}",
+        "strategy=ddp" if devices > 1 else "strategy=auto",
+        f"devices={devices}",
+        "logger=none",
+        f"hydra.run.dir={run_dir}",
+        cwd=workdir,
+    )
+    return read_metrics(run_dir)
+
+
+@pytest.fixture(scope="module")
+def single_process_eval(
+    trained: dict, tiny_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict]:
+    """The reference: val and test metrics of the trained checkpoint on one process."""
+    workdir = tmp_path_factory.mktemp("eval1")
+    ckpt = best_checkpoint(trained["run_dir"])
+    return {split: evaluate(split, 1, ckpt, tiny_root, workdir) for split in ("val", "test")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [2, 3, 4])
+@pytest.mark.parametrize("split", ["val", "test"])
+def test_ddp_eval_equals_single_process(
+    devices: int,
+    split: str,
+    single_process_eval: dict[str, dict],
+    trained: dict,
+    tiny_root: Path,
+    tmp_path: Path,
+) -> None:
+    single = single_process_eval[split]
+    multi = evaluate(split, devices, best_checkpoint(trained["run_dir"]), tiny_root, tmp_path)
+    # 67 and 131 samples split unevenly: no rank's sample may be padded or dropped.
+    assert (
+        single[f"{split}/samples"]
+        == multi[f"{split}/samples"]
+        == {"val": VAL_SIZE, "test": N_TEST}[split]
+    )
+    assert multi[f"{split}/acc"] == single[f"{split}/acc"]
+    assert multi[f"{split}/loss"] == pytest.approx(single[f"{split}/loss"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_ddp_predict_writes_every_sample_once_in_order(
+    trained: dict, tiny_root: Path, tmp_path: Path
+) -> None:
+    rows = {}
+    for devices in (1, 3):
+        run_dir = tmp_path / f"predict{devices}"
+        run_entry(
+            "predict",
+            f"ckpt_path={best_checkpoint(trained['run_dir'])}",
+            f"data.root={tiny_root}",
+            EVAL_BATCH,
+            "strategy=ddp",
+            f"devices={devices}",
+            f"hydra.run.dir={run_dir}",
+            cwd=tmp_path,
+        )
+        with (run_dir / "predictions_test.csv").open() as file:
+            rows[devices] = list(csv.DictReader(file))
+        assert not list(run_dir.glob(".*.pt")), "per-rank shards are cleaned up"
+    assert [int(r["index"]) for r in rows[3]] == list(range(N_TEST))
+    assert [r["predicted"] for r in rows[3]] == [r["predicted"] for r in rows[1]]
+
+
+@pytest.mark.slow
+def test_four_ranks_log_one_mlflow_run_and_use_their_share_of_cores(
+    tiny_root: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    run_entry(
+        "train",
+        *tiny_overrides(tiny_root),
+        "strategy=ddp",
+        "devices=4",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["world_size"] == "4"
+    assert len(client.get_metric_history(run.info.run_id, "val/acc")) == 2, "once per epoch"
+    assert read_metrics(run_dir)["val/samples"] == VAL_SIZE
+
+    # Every rank logged its setup to its own file; all trained with the same lr, 1/4 of the batch.
+    logs = [run_dir / "train.log", *sorted(run_dir.glob("train_ddp_process_*.log"))]
+    assert len(logs) == 4
+    threads = max(1, len(os.sched_getaffinity(0)) // 4)
+    for rank, log in enumerate(logs):
+        assert (
+            f"rank {rank}/4 (node 0, local {rank}) fit: backend gloo, {threads} CPU threads, "
+            "lr 0.01, per-device batch 8"
+        ) in log.read_text()
+    # Checkpoints come from rank 0 only: one best and one last.
+    best, last = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert best.startswith("epoch00") and last == "last.ckpt"
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_same_weights_as_one(tiny_root: Path, tmp_path: Path) -> None:
+    # Same global batches in the same order (GlobalBatchSampler) and DDP's averaged gradient
+    # equal to the global batch's. BatchNorm statistics and dropout masks are per rank, so
+    # the comparison uses a network without them; the rest differs only by float summation
+    # order (rank means averaged vs. one mean), hence the 1e-5 tolerance.
+    overrides = [
+        *tiny_overrides(tiny_root),
+        "trainer.max_epochs=1",
+        "model.net.batch_norm=false",
+        "model.net.dropout=0",
+        "logger=none",
+    ]
+    weights = {}
+    for devices in (1, 2):
+        run_dir = tmp_path / f"run{devices}"
+        run_entry(
+            "train",
+            *overrides,
+            "strategy=ddp",
+            f"devices={devices}",
+            f"hydra.run.dir={run_dir}",
+            cwd=tmp_path,
+        )
+        weights[devices] = final_weights(run_dir)
+        assert read_metrics(run_dir)["train/samples"] == (N_TRAIN - VAL_SIZE) // 32 * 32
+    for name, value in weights[1].items():
+        torch.testing.assert_close(weights[2][name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CLUSTER_RUN = ["trainer.max_epochs=1", "logger=none", "strategy=ddp"]
+
+
+@pytest.fixture(scope="module")
+def two_devices(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
+    """Metrics of a 1-epoch job with devices=2 on one node, started by Lightning itself."""
+    workdir = tmp_path_factory.mktemp("two_devices")
+    overrides = [*tiny_overrides(tiny_root), *CLUSTER_RUN, "devices=2"]
+    run_entry("train", *overrides, f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
+    return read_metrics(workdir / "run")
+
+
+def launch_together(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path) -> None:
+    """Start processes the way a cluster launcher would, one per node or task, and wait."""
+    procs = [
+        subprocess.Popen(
+            command,
+            cwd=cwd,
+            env={**os.environ, "PYTHONPATH": str(PROJECT), **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for command, env in zip(commands, envs, strict=True)
+    ]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(o[-3000:] for o in outputs)
+
+
+def assert_same_metrics(run_dir: Path, expected: dict[str, float]) -> None:
+    metrics = read_metrics(run_dir)
+    assert metrics.keys() == expected.keys()
+    for name, value in expected.items():
+        assert metrics[name] == pytest.approx(value, abs=1e-6), name
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_match_two_devices(
+    two_devices: dict[str, float], tiny_root: Path, tmp_path: Path
+) -> None:
+    port, run_dir = free_port(), tmp_path / "run"
+    train = [
+        "-m",
+        "src.train",
+        *tiny_overrides(tiny_root),
+        *CLUSTER_RUN,
+        "devices=1",
+        "num_nodes=2",
+    ]
+    commands = [
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+         "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+         *train, "devices=1", "num_nodes=2", f"hydra.run.dir={run_dir}"]
+        for node in (0, 1)
+    ]  # fmt: skip
+    launch_together(commands, [{}, {}], cwd=tmp_path)
+    assert_same_metrics(run_dir, two_devices)
+    assert "rank 1/2 (node 1, local 0)" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_slurm_tasks_match_two_devices(
+    two_devices: dict[str, float], tiny_root: Path, tmp_path: Path
+) -> None:
+    # What `srun --ntasks-per-node=2 python -m src.train strategy=ddp devices=2` sets per task.
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "src.train", *tiny_overrides(tiny_root), *CLUSTER_RUN,
+               "devices=2", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    slurm = {
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NNODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "127.0.0.1",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "train",
+        "MASTER_PORT": str(free_port()),
+    }
+    envs = [{**slurm, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)} for task in (0, 1)]
+    launch_together([command, command], envs, cwd=tmp_path)
+    assert_same_metrics(run_dir, two_devices)
+    assert "rank 1/2 (node 0, local 1)" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_sync_batchnorm_on_cpu_warns_and_trains(tiny_root: Path, tmp_path: Path) -> None:
+    proc = run_entry(
+        "train",
+        *tiny_overrides(tiny_root),
+        "trainer.max_epochs=1",
+        "logger=none",
+        "strategy=ddp",
+        "devices=2",
+        "strategy.sync_batchnorm=true",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
+    assert "strategy.sync_batchnorm=true is ignored: torch's SyncBatchNorm" in proc.stderr
