@@ -128,3 +128,8 @@ class LogRankSetup(Callback):
             pl_module.hparams.get("lr"),
             getattr(datamodule, "per_device_batch_size", None),
         )
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        best = trainer.callback_metrics.get("val/acc_best")
+        if best is not None:
+            log.info("rank %d/%d: val/acc_best %.6f", trainer.global_rank, trainer.world_size, best)

@@ -180,11 +180,14 @@ def test_four_ranks_log_one_mlflow_run_and_use_their_share_of_cores(
     logs = [run_dir / "train.log", *sorted(run_dir.glob("train_ddp_process_*.log"))]
     assert len(logs) == 4
     threads = max(1, len(os.sched_getaffinity(0)) // 4)
+    best = read_metrics(run_dir)["val/acc_best"]
     for rank, log in enumerate(logs):
+        text = log.read_text()
         assert (
             f"rank {rank}/4 (node 0, local {rank}) fit: backend gloo, {threads} CPU threads, "
             "lr 0.01, per-device batch 8"
-        ) in log.read_text()
+        ) in text
+        assert f"rank {rank}/4: val/acc_best {best:.6f}" in text, "the same best on every rank"
     # Checkpoints come from rank 0 only: one best and one last.
     best, last = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert best.startswith("epoch00") and last == "last.ckpt"
