@@ -15,8 +15,9 @@ class CheckpointError(ValueError):
 
 def load_for_inference(
     ckpt_path: str | None, data: DictConfig
-) -> tuple[ImageClassifier, MNISTDataModule]:
-    """The checkpoint's model and a data module for ``data``, refusing a dataset mismatch.
+) -> tuple[ImageClassifier, MNISTDataModule, dict[str, str] | None]:
+    """The checkpoint's model, a data module for ``data`` (refusing a dataset mismatch) and the
+    MLflow run the checkpoint came from, if it was tracked.
 
     Checkpoints hold plain values only, so they load with ``weights_only=True``.
     """
@@ -34,4 +35,4 @@ def load_for_inference(
             f"{path.name} was trained on {trained_on} but data={data.name}; add data={trained_on}"
         )
     model = ImageClassifier.load_from_checkpoint(path, map_location="cpu", weights_only=True)
-    return model, MNISTDataModule(**data)
+    return model, MNISTDataModule(**data), saved.get("mlflow")

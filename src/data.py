@@ -243,6 +243,12 @@ class ImageBatches(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
+    def digest(self) -> str:
+        """MD5 of the split's pixels and labels: tells whether two runs saw the same data."""
+        md5 = hashlib.md5(self.images.numpy().tobytes())
+        md5.update(self.labels.numpy().tobytes())
+        return md5.hexdigest()
+
     def __getitems__(self, indices: list[int]) -> Batch:
         idx = torch.as_tensor(indices, dtype=torch.long)
         images = self.images[idx].unsqueeze(1).float().div_(255).sub_(self.mean).div_(self.std)
@@ -302,8 +308,17 @@ class MNISTDataModule(LightningDataModule):
     def num_classes(self) -> int:
         return len(self.spec.classes)
 
+    @property
+    def raw_folder(self) -> Path:
+        return self.root / self.spec.folder / "raw"
+
+    def describe_splits(self) -> dict[str, tuple[int, str]]:
+        """Size and content digest of each loaded split, for experiment tracking."""
+        sets = {"train": self.train_set, "validation": self.val_set, "test": self.test_set}
+        return {name: (len(data), data.digest()) for name, data in sets.items() if data is not None}
+
     def prepare_data(self) -> None:
-        raw = self.root / self.spec.folder / "raw"
+        raw = self.raw_folder
         if _missing(raw):
             if not self.hparams.download:
                 raise DataError(_offline_message(raw))

@@ -1,4 +1,10 @@
-"""``python -m src.eval ckpt_path=PATH [split=test|val]``: evaluate a checkpoint and report."""
+"""``python -m src.eval ckpt_path=PATH [split=test|val]``: evaluate a checkpoint and report.
+
+With MLflow, the evaluation is a run of its own, tagged with (and, in the same store, nested
+under) the training run the checkpoint came from.
+"""
+
+from pathlib import Path
 
 import hydra
 import lightning.pytorch as L
@@ -13,20 +19,21 @@ from src.trainer import build_trainer
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     reporting.show_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    model, datamodule = load_for_inference(cfg.ckpt_path, cfg.data)
-    loggers = tracking.build_loggers(cfg)
+    model, datamodule, source = load_for_inference(cfg.ckpt_path, cfg.data)
+    tags = tracking.source_tags(source, cfg.ckpt_path, cfg.logger.get("tracking_uri", ""))
+    loggers = tracking.build_loggers(cfg, extra_tags=tags)
     trainer = build_trainer(cfg, loggers, fitting=False)
     run_loop = {"test": trainer.test, "val": trainer.validate}[cfg.split]
-    with tracking.failed_on_error(loggers):
-        tracking.log_config(loggers, cfg, trainer.world_size)
+    with tracking.run_lifecycle(loggers):
+        tracking.log_config(loggers, cfg, trainer)
         metrics = run_loop(model, datamodule=datamodule)[0]
-    reporting.report_metrics(metrics, cfg.paths.output_dir)
+        reporting.report_metrics(metrics, Path(cfg.paths.output_dir))
     return metrics
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> dict[str, float]:
-    with reporting.short_errors(DataError, CheckpointError):
+    with reporting.short_errors(DataError, CheckpointError, tracking.TrackingError):
         return evaluate(cfg)
 
 

@@ -77,6 +77,11 @@ class ImageClassifier(L.LightningModule):
     def test_step(self, batch: Batch, batch_idx: int) -> None:
         self._step(batch, "test")
 
+    def on_train_epoch_start(self) -> None:
+        # The learning rate of this epoch, logged like the other epoch metrics (step = epoch).
+        lr = self.optimizers().param_groups[0]["lr"]
+        self.log("train/lr", lr, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
+
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:  # a couple of batches: not a real accuracy
             return
@@ -110,5 +115,5 @@ class ImageClassifier(L.LightningModule):
         )
         return {
             "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "epoch", "name": "train/lr"},
+            "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"},
         }

@@ -10,7 +10,7 @@ import hydra
 import lightning.pytorch as L
 from omegaconf import DictConfig
 
-from src import reporting
+from src import reporting, tracking
 from src.checkpoint import CheckpointError, load_for_inference
 from src.data import DataError
 from src.trainer import build_trainer
@@ -19,13 +19,14 @@ from src.trainer import build_trainer
 def predict(cfg: DictConfig) -> Path:
     reporting.show_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    model, datamodule = load_for_inference(cfg.ckpt_path, cfg.data)
+    model, datamodule, source = load_for_inference(cfg.ckpt_path, cfg.data)
     datamodule.predict_split = cfg.split
     writer = reporting.PredictionWriter(Path(cfg.paths.output_dir) / f"predictions_{cfg.split}.csv")
     trainer = build_trainer(cfg, loggers=[], fitting=False, extra_callbacks=[writer])
     trainer.predict(model, datamodule=datamodule, return_predictions=True)
-    metrics = writer.metrics
-    reporting.report_metrics(metrics, cfg.paths.output_dir)
+    reporting.report_metrics(writer.metrics, cfg.paths.output_dir)
+    # The CSV also goes to the training run the checkpoint came from (if it was tracked).
+    tracking.attach_to_source_run(source, writer.path, folder="predictions")
     return writer.path
 
 

@@ -18,6 +18,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.tree import Tree
 
+from src.data import ImageBatches
+
 console = Console()
 errors = Console(stderr=True)
 
@@ -47,7 +49,7 @@ def show_config(cfg: DictConfig) -> None:
 
 
 @rank_zero_only
-def report_metrics(metrics: Mapping[str, float], output_dir: str) -> None:
+def report_metrics(metrics: Mapping[str, float], output_dir: str | Path) -> None:
     """Print a results table and write ``metrics.json``: a flat object of final metric values."""
     table = Table("metric", "value", title="Results")
     for name, value in sorted(metrics.items()):
@@ -111,3 +113,76 @@ def write_predictions(columns: Mapping[str, torch.Tensor], path: Path) -> dict[s
         "predict/samples": float(len(index)),
         "predict/acc": (predicted == label).double().mean().item(),
     }
+
+
+@rank_zero_only
+def save_test_figures(
+    model: L.LightningModule, dataset: ImageBatches, classes: Sequence[str], out_dir: Path
+) -> list[Path]:
+    """A confusion matrix and a grid of misclassified images for the test split, as PNGs.
+
+    Rank 0 runs the (best) model over the test split once more, outside the DDP wrapper:
+    seconds on a CPU, and it keeps figure-making out of the training loop.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    was_training = model.training
+    model.eval()
+    predicted, confidence = [], []
+    with torch.no_grad():
+        for start in range(0, len(dataset), 1000):
+            batch = dataset.__getitems__(list(range(start, min(start + 1000, len(dataset)))))
+            probs = model(batch.images.to(model.device)).softmax(dim=1).cpu()
+            conf, pred = probs.max(dim=1)
+            predicted.append(pred)
+            confidence.append(conf)
+    model.train(was_training)
+    predicted, confidence, labels = torch.cat(predicted), torch.cat(confidence), dataset.labels
+    n = len(classes)
+    matrix = torch.bincount(labels * n + predicted, minlength=n * n).reshape(n, n)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    fig, ax = plt.subplots(figsize=(7, 6))
+    ax.imshow(matrix, cmap="Blues")
+    for (row, col), count in zip(
+        torch.cartesian_prod(torch.arange(n), torch.arange(n)).tolist(),
+        matrix.flatten().tolist(),
+        strict=True,
+    ):
+        color = "white" if count > matrix.max() / 2 else "black"
+        ax.text(col, row, str(count), ha="center", va="center", fontsize=7, color=color)
+    ax.set(
+        xticks=range(n),
+        yticks=range(n),
+        xlabel="predicted",
+        ylabel="true",
+        title=f"Test confusion matrix ({len(labels)} samples)",
+    )
+    ax.set_xticklabels(classes, rotation=45, ha="right", fontsize=8)
+    ax.set_yticklabels(classes, fontsize=8)
+    fig.tight_layout()
+    matrix_path = out_dir / "confusion_matrix_test.png"
+    fig.savefig(matrix_path, dpi=110)
+    plt.close(fig)
+
+    wrong = (predicted != labels).nonzero().flatten()[:32].tolist()
+    fig, axes = plt.subplots(4, 8, figsize=(12, 7))
+    for ax, i in zip(axes.flatten(), wrong + [None] * (32 - len(wrong)), strict=True):
+        ax.axis("off")
+        if i is not None:
+            ax.imshow(dataset.images[i], cmap="gray")
+            ax.set_title(
+                f"true {classes[labels[i]]}\npred {classes[predicted[i]]} {confidence[i]:.2f}",
+                fontsize=7,
+            )
+    fig.suptitle(
+        f"First {len(wrong)} misclassified test images of {int((predicted != labels).sum())}"
+    )
+    fig.tight_layout()
+    grid_path = out_dir / "misclassified_test.png"
+    fig.savefig(grid_path, dpi=110)
+    plt.close(fig)
+    return [matrix_path, grid_path]

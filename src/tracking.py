@@ -1,22 +1,53 @@
 """Experiment tracking: which logger a job uses, the MLflow store, and what a run records.
 
-MLflow is the default. Lightning's ``MLFlowLogger`` opens the run lazily from rank 0 only
-(``rank_zero_experiment``) and ends it FINISHED or FAILED when fit/test succeed or raise.
+MLflow is the default. Lightning's ``MLFlowLogger`` opens the run lazily and from rank 0 only
+(``rank_zero_experiment``); everything here that writes to the run is rank-zero only too.
+A run records: the resolved config as params (masked where it looks like a credential), tags
+that say where it came from, per-epoch metrics (step = epoch), the data it read, and artifacts.
 """
 
-from collections.abc import Iterator
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 SQLITE_PREFIX = "sqlite:///"
+MASK = "***"
+SECRET_KEY = re.compile(r"password|token|secret|key", re.IGNORECASE)
+URL_CREDENTIALS = re.compile(r"(\w+://[^/:@\s]+):[^@\s]+@")
+PARAM_LIMIT = 6000  # MLflow's maximum length of a param value
 
 
-def build_loggers(cfg: DictConfig) -> list[Logger]:
+class TrackingError(RuntimeError):
+    """The tracking store cannot be used: the message says why and what to do."""
+
+
+class EpochMLFlowLogger(MLFlowLogger):
+    """Epoch-level metrics use the epoch as their step, so the UI's x-axis counts epochs."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        metrics = dict(metrics)
+        epoch = metrics.pop("epoch", None)
+        super().log_metrics(metrics, step=int(epoch) if epoch is not None else step)
+
+
+def build_loggers(cfg: DictConfig, extra_tags: Mapping[str, str] | None = None) -> list[Logger]:
     """The loggers chosen by ``logger=mlflow|csv|none``."""
     kind = cfg.logger.kind
     if kind == "none":
@@ -27,14 +58,19 @@ def build_loggers(cfg: DictConfig) -> list[Logger]:
         uri = cfg.logger.tracking_uri
         prepare_store(uri)
         return [
-            MLFlowLogger(
+            EpochMLFlowLogger(
                 experiment_name=cfg.logger.experiment_name,
                 run_name=cfg.logger.run_name,
                 tracking_uri=uri,
                 artifact_location=artifact_location(uri),
+                tags={**run_tags(cfg), **(extra_tags or {})},
             )
         ]
     raise ValueError(f"logger.kind={kind!r} is not one of mlflow, csv, none")
+
+
+def mlflow_logger(loggers: list[Logger]) -> MLFlowLogger | None:
+    return next((logger for logger in loggers if isinstance(logger, MLFlowLogger)), None)
 
 
 def artifact_location(tracking_uri: str) -> str | None:
@@ -47,15 +83,59 @@ def artifact_location(tracking_uri: str) -> str | None:
 
 @rank_zero_only
 def prepare_store(tracking_uri: str) -> None:
-    """Create the SQLite database and its schema once, in the launching process.
+    """Create the SQLite schema, or check the server answers, once, before any work starts.
 
-    Doing it here, before any DDP worker starts, avoids several ranks racing to create the schema.
+    Doing it in the launching process, before any DDP worker exists, also avoids several
+    ranks racing to create the schema of a fresh database.
     """
     from mlflow import MlflowClient
 
     if tracking_uri.startswith(SQLITE_PREFIX):
         Path(tracking_uri.removeprefix(SQLITE_PREFIX)).parent.mkdir(parents=True, exist_ok=True)
-    MlflowClient(tracking_uri).search_experiments(max_results=1)
+        MlflowClient(tracking_uri).search_experiments(max_results=1)
+        return
+    # A remote server: fail now, in seconds, rather than retrying for minutes mid-training.
+    saved = {
+        k: os.environ.get(k)
+        for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
+    }
+    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="10")
+    try:
+        MlflowClient(tracking_uri).search_experiments(max_results=1)
+    except Exception as error:
+        reason = str(error).splitlines()[0][:200]
+        raise TrackingError(
+            f"MLflow server {mask_text(tracking_uri)} is not reachable ({reason}). Start it "
+            "(README: MLflow server) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
+        ) from error
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+# --- what a run records
+
+
+def mask_text(text: str) -> str:
+    """Hide the password of ``scheme://user:password@host`` URLs."""
+    return URL_CREDENTIALS.sub(rf"\1:{MASK}@", text)
+
+
+def mask_secrets(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Values whose key looks like a credential become ``***``; URLs lose their password."""
+    return {
+        key: MASK if SECRET_KEY.search(key) else mask_text(v) if isinstance(v, str) else v
+        for key, v in values.items()
+    }
+
+
+def mask_override(override: str) -> str:
+    """``db.password=x`` → ``db.password=***``; other overrides keep their value, URLs masked."""
+    key, sep, value = override.partition("=")
+    return f"{key}{sep}{MASK}" if sep and SECRET_KEY.search(key) else mask_text(override)
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -68,20 +148,198 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): tree}
 
 
-def log_config(loggers: list[Logger], cfg: DictConfig, world_size: int) -> None:
-    """Record the resolved config (flattened) and the world size as run parameters."""
+def run_params(cfg: DictConfig, trainer: L.Trainer) -> dict[str, Any]:
+    """The resolved config, flattened, plus what the hardware turned it into."""
     params = flatten(OmegaConf.to_container(cfg, resolve=True))
-    params["world_size"] = world_size
+    params.update(
+        world_size=trainer.world_size,
+        num_devices=trainer.num_devices,
+        num_nodes=trainer.num_nodes,
+        strategy=type(trainer.strategy).__name__,
+        precision=trainer.precision,
+        accelerator=type(trainer.accelerator).__name__,
+    )
+    return mask_secrets(params)
+
+
+def run_tags(cfg: DictConfig) -> dict[str, str]:
+    """Where a run came from: command, overrides, code version, host, output folder, sweep."""
+    hydra = HydraConfig.get()
+    tags = {
+        "command": " ".join(
+            [f"python -m src.{Path(sys.argv[0]).stem}", *map(mask_override, sys.argv[1:])]
+        ),
+        "hydra.overrides": " ".join(mask_override(o) for o in hydra.overrides.task) or "(none)",
+        "hydra.output_dir": str(cfg.paths.output_dir),
+        "host": socket.gethostname(),
+        "task": str(cfg.task_name),
+    }
+    if hydra.mode == RunMode.MULTIRUN:
+        tags["sweep.id"] = Path(hydra.sweep.dir).name
+        tags["sweep.job"] = str(hydra.job.num)
+    tags.update(git_state(Path(__file__).parent))
+    return tags
+
+
+def git_state(folder: Path) -> dict[str, str]:
+    """``git.commit`` and ``git.dirty`` when ``folder`` is in a git checkout, else nothing."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=folder, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"git.commit": commit, "git.dirty": str(dirty).lower()}
+
+
+def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> None:
+    """Record the run's parameters; for MLflow in full, never silently cut short."""
+    params = run_params(cfg, trainer)
     for logger in loggers:
-        logger.log_hyperparams(params)
+        if isinstance(logger, MLFlowLogger):
+            log_mlflow_params(logger, params)
+        else:
+            logger.log_hyperparams(params)
+
+
+@rank_zero_only
+def log_mlflow_params(logger: MLFlowLogger, params: Mapping[str, Any]) -> None:
+    # Lightning's log_hyperparams cuts values at 250 characters without saying so.
+    from mlflow.entities import Param
+
+    entries = []
+    for key, value in params.items():
+        text = str(value)
+        if len(text) > PARAM_LIMIT:
+            rank_zero_warn(f"param {key} is {len(text)} characters; logged cut to {PARAM_LIMIT}")
+            text = text[: PARAM_LIMIT - 30] + " ...[cut: see config.yaml]"
+        entries.append(Param(key, text))
+    for start in range(0, len(entries), 100):  # MLflow's batch limit
+        logger.experiment.log_batch(logger.run_id, params=entries[start : start + 100])
+
+
+@rank_zero_only
+def log_outcome(
+    loggers: list[Logger],
+    datamodule: Any,
+    output_dir: Path,
+    best_checkpoint: str,
+    figures: list[Path],
+) -> None:
+    """After training: the data read, the config, metrics, best checkpoint and test figures.
+
+    The checkpoint is logged as a file rather than an MLflow model: it loads with
+    ``weights_only=True`` and goes straight into ``src.eval`` / ``src.predict``.
+    """
+    logger = mlflow_logger(loggers)
+    if logger is None:
+        return
+    log_datasets(
+        logger, datamodule.describe_splits(), datamodule.raw_folder, datamodule.hparams.name
+    )
+    files = [("", output_dir / "config.yaml"), ("", output_dir / "metrics.json")]
+    files += [("checkpoints", Path(best_checkpoint))] if best_checkpoint else []
+    files += [("figures", path) for path in figures]
+    for folder, path in files:
+        logger.experiment.log_artifact(logger.run_id, str(path), artifact_path=folder or None)
+
+
+def log_datasets(
+    logger: MLFlowLogger, splits: Mapping[str, tuple[int, str]], source: Path, name: str
+) -> None:
+    """MLflow dataset inputs, so the UI shows what data a run used: split, size, digest."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    with warnings.catch_warnings():  # "can be interpreted in multiple ways": it is a folder
+        warnings.simplefilter("ignore")
+        origin = resolve_dataset_source(str(source))
+    inputs = [
+        DatasetInput(
+            MetaDataset(origin, name=f"{name}/{split}", digest=digest)._to_mlflow_entity(),
+            tags=[InputTag("mlflow.data.context", split), InputTag("samples", str(samples))],
+        )
+        for split, (samples, digest) in splits.items()
+    ]
+    logger.experiment.log_inputs(logger.run_id, datasets=inputs)
+
+
+def source_tags(source: Mapping[str, str] | None, ckpt_path: str, tracking_uri: str) -> dict:
+    """Tags linking an eval run to the training run its checkpoint came from."""
+    tags = {"source_checkpoint": str(Path(ckpt_path).resolve())}
+    if source:
+        tags["source_run_id"] = source["run_id"]
+        if source["tracking_uri"] == URL_CREDENTIALS.sub(r"\1@", tracking_uri):
+            tags["mlflow.parentRunId"] = source["run_id"]  # the UI nests it under training
+    return tags
+
+
+@rank_zero_only
+def attach_to_source_run(source: Mapping[str, str] | None, path: Path, folder: str) -> None:
+    """Add a file (e.g. predictions) to the training run a checkpoint came from, if any."""
+    if not source:
+        return
+    from mlflow import MlflowClient
+
+    try:
+        MlflowClient(source["tracking_uri"]).log_artifact(source["run_id"], str(path), folder)
+    except Exception as error:  # the file is on disk; the run is a convenience
+        rank_zero_warn(f"could not attach {path.name} to run {source['run_id']}: {error}")
+
+
+def callbacks(loggers: list[Logger]) -> list[Callback]:
+    logger = mlflow_logger(loggers)
+    return [RecordRunInCheckpoint(logger)] if logger else []
+
+
+class RecordRunInCheckpoint(Callback):
+    """Stores the MLflow run in every checkpoint, so eval/predict can link back to it."""
+
+    def __init__(self, logger: MLFlowLogger) -> None:
+        self.logger = logger
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if trainer.is_global_zero:
+            checkpoint["mlflow"] = {
+                "run_id": self.logger.run_id,
+                "tracking_uri": URL_CREDENTIALS.sub(r"\1@", self.logger._tracking_uri),
+            }
+
+
+# --- run lifecycle
 
 
 @contextmanager
-def failed_on_error(loggers: list[Logger]) -> Iterator[None]:
-    """Mark the run FAILED if anything in the block raises, also outside ``fit``/``test``."""
+def run_lifecycle(loggers: list[Logger]) -> Iterator[None]:
+    """End the run KILLED on Ctrl-C or SIGTERM, FAILED on any other error, never RUNNING.
+
+    Lightning marks every interrupted run "failed"; the signal handlers installed here tell
+    a stop request apart and turn it into KeyboardInterrupt, which Lightning handles cleanly.
+    """
+    stopped_by: list[str] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        stopped_by.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    handled = (signal.SIGINT, signal.SIGTERM)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, stop) for sig in handled} if main_thread else {}
     try:
         yield
-    except BaseException:
+    except BaseException as error:
+        killed = stopped_by or isinstance(error, KeyboardInterrupt)
         for logger in loggers:
-            logger.finalize("failed")
+            logger.finalize("KILLED" if killed else "failed")
         raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -3,6 +3,8 @@
 Returns the metric named by ``optimized_metric`` so Hydra sweepers can optimise it.
 """
 
+from pathlib import Path
+
 import hydra
 import lightning.pytorch as L
 from omegaconf import DictConfig, OmegaConf
@@ -21,20 +23,24 @@ def train(cfg: DictConfig) -> float | None:
         num_classes=datamodule.num_classes, **OmegaConf.to_container(cfg.model, resolve=True)
     )
     loggers = tracking.build_loggers(cfg)
-    trainer = build_trainer(cfg, loggers, fitting=True)
-    with tracking.failed_on_error(loggers):
-        tracking.log_config(loggers, cfg, trainer.world_size)
+    trainer = build_trainer(cfg, loggers, fitting=True, extra_callbacks=tracking.callbacks(loggers))
+    out = Path(cfg.paths.output_dir)
+    with tracking.run_lifecycle(loggers):
+        tracking.log_config(loggers, cfg, trainer)
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         best = trainer.checkpoint_callback.best_model_path
         metrics.update(trainer.test(model, datamodule=datamodule, ckpt_path=best)[0])
-    reporting.report_metrics(metrics, cfg.paths.output_dir)
+        reporting.report_metrics(metrics, out)
+        test_set, classes = datamodule.test_set, datamodule.classes
+        figures = reporting.save_test_figures(model, test_set, classes, out / "figures")
+        tracking.log_outcome(loggers, datamodule, out, best, figures)
     return metrics.get(cfg.optimized_metric)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    with reporting.short_errors(DataError):
+    with reporting.short_errors(DataError, tracking.TrackingError):
         return train(cfg)
 
 

@@ -6,7 +6,6 @@ from pathlib import Path
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import (
     Callback,
-    LearningRateMonitor,
     ModelCheckpoint,
     RichModelSummary,
     RichProgressBar,
@@ -19,8 +18,8 @@ from src.data import per_device_batch_size
 from src.distributed import LogRankSetup, build_strategy, use_sync_batchnorm
 
 
-def build_callbacks(cfg: DictConfig, fitting: bool, has_logger: bool) -> list[Callback]:
-    """Progress bar always; checkpointing, model summary and LR monitor only when training."""
+def build_callbacks(cfg: DictConfig, fitting: bool) -> list[Callback]:
+    """Rank setup log and progress bar always; checkpointing and model summary when training."""
     callbacks: list[Callback] = [LogRankSetup()]
     bar = cfg.callbacks.progress_bar
     if bar == "rich":
@@ -52,8 +51,6 @@ def build_callbacks(cfg: DictConfig, fitting: bool, has_logger: bool) -> list[Ca
     )
     callbacks += [best, last]
     callbacks.append(RichModelSummary(max_depth=cfg.callbacks.model_summary_depth))
-    if has_logger:  # LearningRateMonitor refuses to run without a logger
-        callbacks.append(LearningRateMonitor(logging_interval="epoch"))
     return callbacks
 
 
@@ -68,7 +65,7 @@ def build_trainer(
         strategy=build_strategy(cfg.strategy),
         sync_batchnorm=fitting and use_sync_batchnorm(cfg),
         logger=loggers or False,
-        callbacks=[*build_callbacks(cfg, fitting, has_logger=bool(loggers)), *extra_callbacks],
+        callbacks=[*build_callbacks(cfg, fitting), *extra_callbacks],
         enable_progress_bar=cfg.callbacks.progress_bar != "none",
         enable_model_summary=fitting,
         default_root_dir=cfg.paths.output_dir,
