@@ -12,6 +12,9 @@ from tests.idx_data import make_dataset
 
 PROJECT = Path(__file__).resolve().parents[1]
 
+FAKE_SECRET = "hunter2-do-not-log"
+LONG_VALUE = "long" * 100  # longer than the 250 characters Lightning's MLflow logger keeps
+
 # Sizes chosen so no split divides evenly by 2, 3 or 4 devices.
 N_TRAIN, N_TEST, VAL_SIZE = 403, 131, 67
 
@@ -63,6 +66,18 @@ def read_metrics(run_dir: Path) -> dict[str, float]:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
+def only_run(store: Path, experiment: str = "mnist", task: str = "train"):
+    """The single MLflow run of ``task`` in a SQLite store (fails if there are several)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{store}")
+    runs = client.search_runs(
+        [client.get_experiment_by_name(experiment).experiment_id], f"tags.task = '{task}'"
+    )
+    assert len(runs) == 1, [run.info.run_name for run in runs]
+    return client, runs[0]
+
+
 @pytest.fixture(scope="session")
 def trained(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One real training job, launched from a fresh folder so the MLflow store (mlflow.db) and
@@ -70,7 +85,16 @@ def trained(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     workdir = tmp_path_factory.mktemp("trained")
     run_dir = workdir / "run"
     # seed=0 on purpose: a falsy seed must still seed (a classic `if cfg.seed:` bug).
+    # The two extra keys carry fake credentials that must never reach MLflow.
     proc = run_entry(
-        "train", *tiny_overrides(tiny_root), "seed=0", f"hydra.run.dir={run_dir}", cwd=workdir
+        "train",
+        *tiny_overrides(tiny_root),
+        "seed=0",
+        f"+service.api_token={FAKE_SECRET}",
+        f"+service.url=https://user:{FAKE_SECRET}@example.com/data",
+        f"+service.note={LONG_VALUE}",
+        f"hydra.run.dir={run_dir}",
+        cwd=workdir,
     )
-    return {"workdir": workdir, "run_dir": run_dir, "log": proc.stdout + proc.stderr}
+    log = proc.stdout + proc.stderr
+    return {"workdir": workdir, "run_dir": run_dir, "log": log, "tiny_root": tiny_root}

@@ -29,7 +29,10 @@ def compose_config(name: str, overrides: list[str], workdir: Path) -> DictConfig
     with open_dict(cfg):
         cfg.hydra.runtime.cwd = str(workdir)
         cfg.hydra.runtime.output_dir = str(workdir / "out")
-    HydraConfig.instance().set_config(cfg)
+    HydraConfig.instance().set_config(cfg)  # keeps its own copy of cfg.hydra
+    OmegaConf.set_readonly(cfg, False)
+    with open_dict(cfg):
+        del cfg["hydra"]  # the task function never sees it either
     return cfg
 
 
@@ -46,8 +49,7 @@ def test_every_group_has_options() -> None:
 )
 def test_group_option_composes_and_builds(name: str, override: str, tmp_path: Path) -> None:
     cfg = compose_config(name, [override], tmp_path)
-    job = {key: value for key, value in cfg.items() if key != "hydra"}
-    OmegaConf.to_container(OmegaConf.create(job), resolve=True)  # every interpolation resolves
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     datamodule = MNISTDataModule(**cfg.data)
     model_cfg = cfg.get("model") or compose_config("train", [], tmp_path).model
     ImageClassifier(num_classes=10, **OmegaConf.to_container(model_cfg))
@@ -68,7 +70,8 @@ def test_contract_keys_and_defaults(tmp_path: Path) -> None:
     for key in ("max_epochs", "limit_train_batches", "limit_val_batches", "limit_test_batches"):
         assert key in cfg.trainer
     # Sub-second run folders: two jobs started in the same second do not collide.
-    assert re.search(r"/train/runs/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d{6}$", cfg.hydra.run.dir)
+    run_dir = HydraConfig.get().run.dir
+    assert re.search(r"/train/runs/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d{6}$", run_dir)
 
 
 def test_fashion_mnist_experiment_overrides_data(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -247,19 +248,29 @@ def two_devices(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 def launch_together(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path) -> None:
     """Start processes the way a cluster launcher would, one per node or task, and wait."""
+    logs = [cwd / f"process{i}.log" for i in range(len(commands))]
     procs = [
         subprocess.Popen(
             command,
             cwd=cwd,
             env={**os.environ, "PYTHONPATH": str(PROJECT), **env},
-            stdout=subprocess.PIPE,
+            stdout=log.open("w"),
             stderr=subprocess.STDOUT,
-            text=True,
         )
-        for command, env in zip(commands, envs, strict=True)
+        for command, env, log in zip(commands, envs, logs, strict=True)
     ]
-    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
-    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(o[-3000:] for o in outputs)
+    # If one process dies, the others would wait for it until their rendezvous times out.
+    deadline = time.monotonic() + 300
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    outputs = "\n".join(log.read_text()[-3000:] for log in logs)
+    assert [p.returncode for p in procs] == [0] * len(procs), outputs
 
 
 def assert_same_metrics(run_dir: Path, expected: dict[str, float]) -> None:
@@ -274,14 +285,7 @@ def test_two_torchrun_nodes_match_two_devices(
     two_devices: dict[str, float], tiny_root: Path, tmp_path: Path
 ) -> None:
     port, run_dir = free_port(), tmp_path / "run"
-    train = [
-        "-m",
-        "src.train",
-        *tiny_overrides(tiny_root),
-        *CLUSTER_RUN,
-        "devices=1",
-        "num_nodes=2",
-    ]
+    train = ["-m", "src.train", *tiny_overrides(tiny_root), *CLUSTER_RUN]
     commands = [
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
          "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",

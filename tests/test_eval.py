@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import N_TEST, VAL_SIZE, read_metrics, run_entry
+from tests.conftest import N_TEST, VAL_SIZE, only_run, read_metrics, run_entry
 
 pytestmark = pytest.mark.slow
 
@@ -14,18 +14,24 @@ def best_checkpoint(run_dir: Path) -> Path:
     return path
 
 
-def test_eval_reproduces_the_training_jobs_test_metrics(
-    trained: dict[str, Path], tiny_root: Path, tmp_path: Path
-) -> None:
-    run_dir = tmp_path / "eval"
+def run_eval(trained: dict, tiny_root: Path, workdir: Path, *overrides: str) -> Path:
+    """Evaluate the shared training job's best checkpoint; return the eval's output folder."""
+    run_dir = workdir / "eval"
     run_entry(
         "eval",
         f"ckpt_path={best_checkpoint(trained['run_dir'])}",
         f"data.root={tiny_root}",
-        "logger=none",
+        *overrides,
         f"hydra.run.dir={run_dir}",
-        cwd=tmp_path,
+        cwd=workdir,
     )
+    return run_dir
+
+
+def test_eval_reproduces_the_training_jobs_test_metrics(
+    trained: dict[str, Path], tiny_root: Path, tmp_path: Path
+) -> None:
+    run_dir = run_eval(trained, tiny_root, tmp_path, "logger=none")
     metrics, trained_metrics = read_metrics(run_dir), read_metrics(trained["run_dir"])
     assert metrics["test/samples"] == N_TEST
     # The training job tested the same best checkpoint on the same data.
@@ -33,19 +39,25 @@ def test_eval_reproduces_the_training_jobs_test_metrics(
     assert metrics["test/loss"] == pytest.approx(trained_metrics["test/loss"], abs=1e-6)
 
 
+def test_eval_is_an_mlflow_run_linked_to_its_training_run(
+    trained: dict[str, Path], tiny_root: Path
+) -> None:
+    workdir = trained["workdir"]  # the training job's store
+    run_eval(trained, tiny_root, workdir)
+    _, source = only_run(workdir / "mlflow.db", task="train")
+    client, run = only_run(workdir / "mlflow.db", task="eval")
+    assert run.info.status == "FINISHED" and run.info.run_name == "eval-mnist"
+    assert run.data.tags["source_run_id"] == source.info.run_id
+    assert run.data.tags["mlflow.parentRunId"] == source.info.run_id  # nested in the UI
+    assert run.data.tags["source_checkpoint"] == str(best_checkpoint(trained["run_dir"]))
+    assert run.data.metrics["test/acc"] == read_metrics(trained["run_dir"])["test/acc"]
+
+
 def test_eval_on_the_validation_split(
     trained: dict[str, Path], tiny_root: Path, tmp_path: Path
 ) -> None:
-    run_dir = tmp_path / "eval"
-    run_entry(
-        "eval",
-        f"ckpt_path={best_checkpoint(trained['run_dir'])}",
-        f"data.root={tiny_root}",
-        f"data.val_size={VAL_SIZE}",
-        "split=val",
-        "logger=none",
-        f"hydra.run.dir={run_dir}",
-        cwd=tmp_path,
+    run_dir = run_eval(
+        trained, tiny_root, tmp_path, f"data.val_size={VAL_SIZE}", "split=val", "logger=none"
     )
     metrics = read_metrics(run_dir)
     assert metrics["val/samples"] == VAL_SIZE

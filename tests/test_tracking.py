@@ -1,20 +1,34 @@
 """Tracking set-up against a real SQLite MLflow store."""
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
 from mlflow import MlflowClient
-from omegaconf import OmegaConf
 
 from src.tracking import (
+    TrackingError,
     artifact_location,
     build_loggers,
-    failed_on_error,
     flatten,
     log_config,
+    mask_override,
+    mask_secrets,
     prepare_store,
+    run_lifecycle,
 )
+from src.trainer import build_trainer
+from tests.conftest import PROJECT, only_run, read_metrics, run_entry, tiny_overrides
+from tests.test_config import compose_config
 
 
 def test_flatten_uses_override_style_keys() -> None:
@@ -35,38 +49,164 @@ def test_prepare_store_creates_the_schema_once(tmp_path: Path) -> None:
     prepare_store(uri)  # an existing store is left as it is
 
 
-def cfg_for(kind: str, tmp_path: Path):
-    return OmegaConf.create(
-        {
-            "paths": {"output_dir": str(tmp_path / "out")},
-            "model": {"lr": 0.5},
-            "logger": {
-                "kind": kind,
-                "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
-                "experiment_name": "exp",
-                "run_name": "train-x",
-            },
-        }
+def test_credentials_are_masked() -> None:
+    values = {"db.password": "pw", "api_token": "t", "aws.secret_access_key": "k", "lr": 0.1}
+    assert mask_secrets(values) == {
+        "db.password": "***",
+        "api_token": "***",
+        "aws.secret_access_key": "***",
+        "lr": 0.1,
+    }
+    assert mask_secrets({"uri": "http://me:pw@host:5000"}) == {"uri": "http://me:***@host:5000"}
+    assert mask_override("+db.password=pw") == "+db.password=***"
+    assert (
+        mask_override("logger.tracking_uri=https://me:pw@h")
+        == "logger.tracking_uri=https://me:***@h"
     )
+    assert mask_override("model.lr=0.1") == "model.lr=0.1"
 
 
-def test_logger_kinds(tmp_path: Path) -> None:
-    assert build_loggers(cfg_for("none", tmp_path)) == []
-    assert isinstance(build_loggers(cfg_for("csv", tmp_path))[0], CSVLogger)
-    assert isinstance(build_loggers(cfg_for("mlflow", tmp_path))[0], MLFlowLogger)
-    with pytest.raises(ValueError, match="logger.kind='wandb'"):
-        build_loggers(cfg_for("wandb", tmp_path))
+@pytest.mark.parametrize("kind", ["none", "csv", "mlflow"])
+def test_logger_kinds(kind: str, tmp_path: Path) -> None:
+    loggers = build_loggers(compose_config("train", [f"logger={kind}"], tmp_path))
+    expected = {"none": [], "csv": [CSVLogger], "mlflow": [MLFlowLogger]}[kind]
+    assert len(loggers) == len(expected)
+    assert all(isinstance(logger, cls) for logger, cls in zip(loggers, expected, strict=True))
 
 
-def test_config_becomes_params_and_errors_fail_the_run(tmp_path: Path) -> None:
-    cfg = cfg_for("mlflow", tmp_path)
-    loggers = build_loggers(cfg)
-    with pytest.raises(RuntimeError, match="boom"), failed_on_error(loggers):
-        log_config(loggers, cfg, world_size=1)
-        raise RuntimeError("boom")
-    run = MlflowClient(cfg.logger.tracking_uri).get_run(loggers[0].run_id)
-    assert run.info.status == "FAILED"
-    assert run.info.run_name == "train-x"
-    assert run.data.params["model.lr"] == "0.5"
-    assert run.data.params["world_size"] == "1"
+def test_errors_fail_the_run_and_interrupts_kill_it(tmp_path: Path) -> None:
+    cfg = compose_config("train", ["model.lr=0.5"], tmp_path)
+    client = MlflowClient(cfg.logger.tracking_uri)
+    for error, status in ((RuntimeError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED")):
+        loggers = build_loggers(cfg)
+        trainer = build_trainer(cfg, loggers, fitting=False)
+        with pytest.raises(type(error)), run_lifecycle(loggers):
+            log_config(loggers, cfg, trainer)
+            raise error
+        run = client.get_run(loggers[0].run_id)
+        assert run.info.status == status
+        assert run.data.params["model.lr"] == "0.5" and run.data.params["world_size"] == "1"
     assert run.info.artifact_uri.startswith(str(tmp_path / "mlartifacts"))
+
+
+def test_unreachable_server_is_a_clear_error_at_once(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(
+        TrackingError, match=f"MLflow server http://u:\\*\\*\\*@127.0.0.1:{port} is not"
+    ):
+        prepare_store(f"http://u:pw@127.0.0.1:{port}")
+
+
+# --- real jobs: run lifecycle on signals, a real `mlflow server`
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_stopped_run_is_killed_and_keeps_last_checkpoint(
+    stop: signal.Signals, tiny_root: Path, tmp_path: Path
+) -> None:
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "src.train", *tiny_overrides(tiny_root), "trainer.max_epochs=500",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not last.exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert last.exists(), "training never reached the end of an epoch"
+    job.send_signal(stop)
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode != 0
+    _, run = only_run(tmp_path / "mlflow.db")
+    assert run.info.status == "KILLED", stderr[-2000:]
+    assert torch.load(last, weights_only=True)["epoch"] >= 0
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[str]:
+    """A real ``mlflow server`` on 127.0.0.1 with its own store, stopped by its process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(tmp_path / "server-artifacts")],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its workers share the group, so one signal stops them all
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "mlflow server did not start in 120 s"
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+@pytest.mark.slow
+def test_training_against_a_real_mlflow_server(
+    mlflow_server: str, tiny_root: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    run_entry(
+        "train",
+        *tiny_overrides(tiny_root),
+        "trainer.max_epochs=1",
+        f"logger.tracking_uri={mlflow_server}",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert not (tmp_path / "mlflow.db").exists(), "nothing was logged locally"
+    client = MlflowClient(mlflow_server)
+    (run,) = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["model.lr"] == "0.01"
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:"), "the server serves artifacts"
+    config = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path / "dl"))
+    assert Path(config).read_text() == (run_dir / "config.yaml").read_text()
+    assert read_metrics(run_dir)["test/acc"] == pytest.approx(run.data.metrics["test/acc"])
+
+
+@pytest.mark.slow
+def test_unreachable_server_stops_the_job_before_training(tiny_root: Path, tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = run_entry(
+        "train",
+        *tiny_overrides(tiny_root),
+        f"logger.tracking_uri=http://127.0.0.1:{port}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert f"MLflow server http://127.0.0.1:{port} is not reachable" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists(), "no training happened"

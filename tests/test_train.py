@@ -1,13 +1,26 @@
 """End-to-end: ``python -m src.train`` on a tiny generated dataset, as a subprocess."""
 
 import csv
+import json
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pytest
 import torch
 from mlflow import MlflowClient
 
-from tests.conftest import N_TEST, N_TRAIN, VAL_SIZE, read_metrics, run_entry, tiny_overrides
+from tests.conftest import (
+    FAKE_SECRET,
+    LONG_VALUE,
+    N_TEST,
+    N_TRAIN,
+    PROJECT,
+    VAL_SIZE,
+    only_run,
+    read_metrics,
+    run_entry,
+    tiny_overrides,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -41,24 +54,77 @@ def test_train_leaves_checkpoints_config_and_log(trained: dict[str, Path]) -> No
 def test_train_logs_one_finished_mlflow_run(trained: dict[str, Path]) -> None:
     store = trained["workdir"] / "mlflow.db"
     assert store.is_file(), "the default store is mlflow.db in the launch folder"
-    client = MlflowClient(f"sqlite:///{store}")
-    experiment = client.get_experiment_by_name("mnist")
-    runs = client.search_runs([experiment.experiment_id])
-    assert len(runs) == 1
-    run = runs[0]
+    client, run = only_run(store)
     assert run.info.status == "FINISHED"
     assert run.info.run_name == "train-mnist"
-    assert run.data.params["model.lr"] == "0.01"
-    assert run.data.params["data.batch_size"] == "32"
-    assert run.data.params["world_size"] == "1"
     assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(
         trained["workdir"] / "mlartifacts"
     )
-    val_acc = client.get_metric_history(run.info.run_id, "val/acc")
-    assert [m.step for m in val_acc] == [1, 3] or len(val_acc) == 2  # one point per epoch
     metrics = read_metrics(trained["run_dir"])
     assert run.data.metrics["test/acc"] == pytest.approx(metrics["test/acc"])
     assert run.data.metrics["test/samples"] == N_TEST
+
+
+def test_mlflow_params_are_the_resolved_config_and_the_hardware(trained: dict[str, Path]) -> None:
+    _, run = only_run(trained["workdir"] / "mlflow.db")
+    params = run.data.params
+    assert params["model.lr"] == "0.01" and params["data.batch_size"] == "32"
+    assert params["model.net.channels"] == "[8, 16]" and params["seed"] == "0"
+    assert params["data.root"] == str(trained["tiny_root"])
+    assert params["service.note"] == LONG_VALUE, "values are never cut short silently"
+    assert (params["world_size"], params["num_devices"], params["num_nodes"]) == ("1", "1", "1")
+    assert params["strategy"] == "SingleDeviceStrategy" and params["precision"] == "32-true"
+
+
+def test_mlflow_tags_say_where_the_run_came_from(trained: dict[str, Path]) -> None:
+    _, run = only_run(trained["workdir"] / "mlflow.db")
+    tags = run.data.tags
+    assert tags["command"].startswith("python -m src.train data.root=")
+    assert "model.lr=0.01" in tags["hydra.overrides"].split()
+    assert tags["hydra.output_dir"] == str(trained["run_dir"])
+    assert tags["host"] and tags["task"] == "train"
+    assert "sweep.id" not in tags, "a single run is not part of a sweep"
+    if (PROJECT / ".git").exists():
+        assert len(tags["git.commit"]) == 40 and tags["git.dirty"] in ("true", "false")
+
+
+def test_secrets_never_become_params_or_tags(trained: dict[str, Path]) -> None:
+    _, run = only_run(trained["workdir"] / "mlflow.db")
+    everything = [*run.data.params.values(), *run.data.tags.values()]
+    assert not [value for value in everything if FAKE_SECRET in value]
+    assert run.data.params["service.api_token"] == "***"
+    assert run.data.params["service.url"] == "https://user:***@example.com/data"
+    assert "+service.api_token=***" in run.data.tags["hydra.overrides"]
+
+
+def test_mlflow_metrics_have_one_point_per_epoch(trained: dict[str, Path]) -> None:
+    client, run = only_run(trained["workdir"] / "mlflow.db")
+    for name in ("train/loss", "train/acc", "train/lr", "val/loss", "val/acc", "val/acc_best"):
+        history = client.get_metric_history(run.info.run_id, name)
+        assert sorted(m.step for m in history) == [0, 1], name  # step = epoch
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "test/acc")] == [2]
+
+
+def test_mlflow_artifacts_and_dataset_inputs(trained: dict[str, Path], tmp_path: Path) -> None:
+    client, run = only_run(trained["workdir"] / "mlflow.db")
+    run_id = run.info.run_id
+    config = Path(client.download_artifacts(run_id, "config.yaml", str(tmp_path)))
+    assert config.read_text() == (trained["run_dir"] / "config.yaml").read_text()
+    assert json.loads(
+        Path(client.download_artifacts(run_id, "metrics.json", str(tmp_path))).read_text()
+    )
+    (ckpt,) = client.list_artifacts(run_id, "checkpoints")
+    assert ckpt.path.startswith("checkpoints/epoch") and ckpt.file_size > 10_000
+    for name in ("confusion_matrix_test.png", "misclassified_test.png"):
+        png = client.download_artifacts(run_id, f"figures/{name}", str(tmp_path))
+        assert plt.imread(png).shape[2] in (3, 4), f"{name} decodes as an image"
+    inputs = {d.dataset.name: {t.key: t.value for t in d.tags} for d in run.inputs.dataset_inputs}
+    assert inputs == {
+        "mnist/train": {"mlflow.data.context": "train", "samples": str(N_TRAIN - VAL_SIZE)},
+        "mnist/validation": {"mlflow.data.context": "validation", "samples": str(VAL_SIZE)},
+        "mnist/test": {"mlflow.data.context": "test", "samples": str(N_TEST)},
+    }
+    assert all(len(d.dataset.digest) == 32 for d in run.inputs.dataset_inputs)
 
 
 def test_train_resumes_at_the_next_epoch_with_its_best_metric(
