@@ -12,11 +12,20 @@ independent of the number of processes.
 Both subclass ``DistributedSampler``, which tells Lightning to leave them in place.
 """
 
+import json
 import logging
+import os
+import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import lightning.pytorch as L
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_warn
@@ -24,6 +33,16 @@ from omegaconf import DictConfig
 from torch.utils.data import Dataset, DistributedSampler
 
 log = logging.getLogger(__name__)
+
+# What Lightning's launcher sets in the launching process's environment for one DDP job.
+LAUNCH_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "OMP_NUM_THREADS",
+)
 
 
 class UnpaddedSampler(DistributedSampler):
@@ -133,3 +152,57 @@ class LogRankSetup(Callback):
         best = trainer.callback_metrics.get("val/acc_best")
         if best is not None:
             log.info("rank %d/%d: val/acc_best %.6f", trainer.global_rank, trainer.world_size, best)
+
+
+SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep id>/<job number>" for a sweep's DDP job
+
+
+def in_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:
+    """Run this multirun job as a fresh single-run process tree; return its optimized metric.
+
+    Lightning starts DDP ranks 1..N-1 by re-running the command line, which in a multirun is the
+    whole sweep, and it watches them from a thread that SIGKILLs the launching process when a
+    rank fails. Both are right for one job and wrong for a sweep that runs job after job in one
+    process. So a DDP job of a sweep is started as its own command: this job's overrides, in
+    this job's folder. Its ranks train exactly this job's hyperparameters, a failure ends only
+    this job, and no process group or launch variable outlives it.
+    """
+    import __main__
+
+    hydra = HydraConfig.get()
+    out = Path(hydra.runtime.output_dir)
+    command = [sys.executable, "-m", __main__.__spec__.name, *hydra.overrides.task]
+    command.append(f"hydra.run.dir={out}")
+    env = {**os.environ, SWEEP_JOB_ENV: f"{Path(hydra.sweep.dir).name}/{hydra.job.num}"}
+    log.info(
+        "sweep job %s runs as its own DDP process tree: %s", hydra.job.num, shlex.join(command)
+    )
+    code = subprocess.run(command, env=env).returncode
+    if code != 0:
+        raise RuntimeError(f"sweep job {hydra.job.num} exited with code {code}; see {out}")
+    return json.loads((out / "metrics.json").read_text()).get(optimized_metric)
+
+
+@contextmanager
+def job_scope() -> Iterator[None]:
+    """Leave nothing distributed behind: a sweep runs its next job in the same process.
+
+    Resets the process group, the variables Lightning's launcher sets and the thread count.
+    """
+    threads = torch.get_num_threads()
+    saved_env = {key: os.environ.get(key) for key in LAUNCH_ENV}
+    try:
+        yield
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        torch.set_num_threads(threads)

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from src import reporting, tracking
 from src.checkpoint import CheckpointError, load_for_inference
 from src.data import DataError
+from src.distributed import job_scope
 from src.trainer import build_trainer
 
 
@@ -33,7 +34,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> dict[str, float]:
-    with reporting.short_errors(DataError, CheckpointError, tracking.TrackingError):
+    expected = (DataError, CheckpointError, tracking.TrackingError)
+    with reporting.short_errors(*expected), job_scope():
         return evaluate(cfg)
 
 

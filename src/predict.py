@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from src import reporting, tracking
 from src.checkpoint import CheckpointError, load_for_inference
 from src.data import DataError
+from src.distributed import job_scope
 from src.trainer import build_trainer
 
 
@@ -32,7 +33,7 @@ def predict(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="predict")
 def main(cfg: DictConfig) -> Path:
-    with reporting.short_errors(DataError, CheckpointError):
+    with reporting.short_errors(DataError, CheckpointError), job_scope():
         return predict(cfg)
 
 

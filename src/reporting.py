@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from src.data import ImageBatches
+from src.distributed import in_multirun
 
 console = Console()
 errors = Console(stderr=True)
@@ -32,6 +33,8 @@ def short_errors(*expected: type[Exception]) -> Iterator[None]:
         yield
     except expected as error:
         errors.print(f"[bold red]Error:[/] {error}", highlight=False, soft_wrap=True)
+        if in_multirun():
+            raise  # Hydra records the failed job, runs the others, and reports it at the end
         raise SystemExit(1) from error
 
 

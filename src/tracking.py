@@ -27,6 +27,8 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
+from src.distributed import SWEEP_JOB_ENV
+
 SQLITE_PREFIX = "sqlite:///"
 MASK = "***"
 SECRET_KEY = re.compile(r"password|token|secret|key", re.IGNORECASE)
@@ -177,6 +179,8 @@ def run_tags(cfg: DictConfig) -> dict[str, str]:
     if hydra.mode == RunMode.MULTIRUN:
         tags["sweep.id"] = Path(hydra.sweep.dir).name
         tags["sweep.job"] = str(hydra.job.num)
+    elif SWEEP_JOB_ENV in os.environ:  # a sweep's DDP job, run as its own process tree
+        tags["sweep.id"], tags["sweep.job"] = os.environ[SWEEP_JOB_ENV].rsplit("/", 1)
     tags.update(git_state(Path(__file__).parent))
     return tags
 

@@ -11,11 +11,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from src import reporting, tracking
 from src.data import DataError, MNISTDataModule
+from src.distributed import in_multirun, job_scope, run_sweep_job_in_own_process
 from src.model import ImageClassifier
 from src.trainer import build_trainer
 
 
 def train(cfg: DictConfig) -> float | None:
+    if in_multirun() and build_trainer(cfg, [], fitting=False).world_size > 1:
+        return run_sweep_job_in_own_process(cfg.optimized_metric)  # see src/distributed.py
     reporting.show_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = MNISTDataModule(**cfg.data)
@@ -40,7 +43,7 @@ def train(cfg: DictConfig) -> float | None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    with reporting.short_errors(DataError, tracking.TrackingError):
+    with reporting.short_errors(DataError, tracking.TrackingError), job_scope():
         return train(cfg)
 
 
