@@ -54,7 +54,7 @@ def test_group_option_composes_and_builds(name: str, override: str, tmp_path: Pa
     model_cfg = cfg.get("model") or compose_config("train", [], tmp_path).model
     ImageClassifier(num_classes=10, **OmegaConf.to_container(model_cfg))
     trainer = build_trainer(cfg, build_loggers(cfg), fitting=name == "train")
-    assert trainer.world_size == 1
+    assert trainer.world_size == cfg.devices * cfg.num_nodes
     assert datamodule.hparams.batch_size == cfg.data.batch_size
 
 

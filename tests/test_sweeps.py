@@ -1,0 +1,103 @@
+"""Hydra multirun sweeps whose jobs are DDP jobs, and the Optuna search, run for real."""
+
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+from omegaconf import OmegaConf
+
+from tests.conftest import run_entry, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+
+def sweep_overrides(tiny_root: Path, sweep_dir: Path) -> list[str]:
+    # lr is what the sweeps vary, so it is left out of the shared tiny overrides.
+    shared = [o for o in tiny_overrides(tiny_root) if not o.startswith(("model.lr=", "trainer."))]
+    return [*shared, "trainer.max_epochs=1", f"hydra.sweep.dir={sweep_dir}"]
+
+
+def runs_by_job(store: Path) -> dict[int, object]:
+    client = MlflowClient(f"sqlite:///{store}")
+    runs = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+    return {int(run.data.tags["sweep.job"]): run for run in runs}
+
+
+def rank_lines(job_dir: Path) -> list[str]:
+    """What each rank of a job logged about the world and lr it trained with."""
+    logs = [job_dir / "train.log", *sorted(job_dir.glob("train_ddp_process_*.log"))]
+    return [line for log in logs for line in log.read_text().splitlines() if " fit: " in line]
+
+
+def test_ddp_sweep_runs_every_job_once_with_its_own_world(tiny_root: Path, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    run_entry(
+        "train", "-m", *sweep_overrides(tiny_root, sweep),
+        "strategy=ddp", "devices=1,2", "model.lr=0.01,0.02",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "2", "3", "multirun.yaml"]
+    assert not (tmp_path / "outputs").exists(), "no rank ran a sweep of its own elsewhere"
+    runs = runs_by_job(tmp_path / "mlflow.db")
+    expected = {0: ("1", "0.01"), 1: ("1", "0.02"), 2: ("2", "0.01"), 3: ("2", "0.02")}
+    assert {
+        job: (r.data.params["world_size"], r.data.params["model.lr"]) for job, r in runs.items()
+    } == expected
+    assert len({run.data.tags["sweep.id"] for run in runs.values()}) == 1
+    assert all(run.info.status == "FINISHED" for run in runs.values())
+    for job, (world, lr) in expected.items():
+        lines = rank_lines(sweep / str(job))
+        assert len(lines) == int(world), "one line per rank, each in the job's own folder"
+        for rank, line in enumerate(lines):
+            assert f"rank {rank}/{world} " in line and f"lr {lr}," in line
+
+
+def test_failed_sweep_job_is_reported_and_the_next_runs(tiny_root: Path, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_entry(
+        "train", "-m", *sweep_overrides(tiny_root, sweep), "model.lr=0.01",
+        "strategy=ddp", "devices=2", f"ckpt_path={tmp_path / 'missing.ckpt'},null",
+        cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "sweep job 0 exited with code 1" in proc.stderr
+    assert "Checkpoint file not found" in proc.stderr
+    runs = runs_by_job(tmp_path / "mlflow.db")
+    assert runs[0].info.status == "FAILED" and runs[1].info.status == "FINISHED"
+    assert (sweep / "1" / "metrics.json").is_file()
+
+
+def test_optuna_search_trains_each_trial_on_every_rank(tiny_root: Path, tmp_path: Path) -> None:
+    sweep, storage = tmp_path / "sweep", f"sqlite:///{tmp_path / 'optuna.db'}"
+    run_entry(
+        "train", "-m", "hparams_search=convnet_optuna", *sweep_overrides(tiny_root, sweep),
+        "strategy=ddp", "devices=2", "hydra.sweeper.n_trials=3", f"hydra.sweeper.storage={storage}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    runs = runs_by_job(tmp_path / "mlflow.db")
+    assert sorted(runs) == [0, 1, 2]
+    for job, run in runs.items():
+        assert run.data.params["world_size"] == "2"
+        lines = rank_lines(sweep / str(job))
+        assert len(lines) == 2
+        lr = run.data.params["model.lr"]
+        assert all(f"lr {lr}," in line for line in lines), "both ranks train the trial's lr"
+    result = OmegaConf.load(sweep / "optimization_results.yaml")
+    best = max(run.data.metrics["val/acc_best"] for run in runs.values())
+    assert result.best_value == pytest.approx(best)
+    study = optuna.load_study(study_name="convnet-mnist", storage=storage)
+    assert len(study.trials) == 3 and study.best_value == pytest.approx(best)
+
+
+def test_optuna_study_resumes_where_it_stopped(tiny_root: Path, tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    for n_trials, sweep in ((1, tmp_path / "first"), (2, tmp_path / "second")):
+        run_entry(
+            "train", "-m", "hparams_search=convnet_optuna", *sweep_overrides(tiny_root, sweep),
+            f"hydra.sweeper.n_trials={n_trials}", f"hydra.sweeper.storage={storage}",
+            cwd=tmp_path,
+        )  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "second").iterdir() if p.is_dir()) == ["1"]
+    study = optuna.load_study(study_name="convnet-mnist", storage=storage)
+    assert [trial.number for trial in study.trials] == [0, 1]
