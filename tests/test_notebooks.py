@@ -7,7 +7,8 @@ import pytest
 from mlflow import MlflowClient
 from nbclient import NotebookClient
 
-from tests.conftest import PROJECT, run_entry, tiny_overrides
+from tests.conftest import N_TEST, N_TRAIN, PROJECT, VAL_SIZE, run_entry, tiny_overrides
+from tests.idx_data import make_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +56,15 @@ def test_mlflow_review_notebook(
     assert "2 training runs in 'mnist'" in text
     assert "best run train-mnist" in text
     assert images_in(notebook) == 2, "the sweep plot and the confusion matrix"
+
+
+def test_data_and_model_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_dataset(tmp_path, n_train=N_TRAIN, n_test=N_TEST, learnable=True)
+    monkeypatch.setenv("DATA_ROOT", str(tmp_path))
+    monkeypatch.setenv("VAL_SIZE", str(VAL_SIZE))
+    notebook = execute("data_and_model.ipynb")
+    text = text_of(notebook)
+    assert f"{{'train': {N_TRAIN - VAL_SIZE}, 'val': {VAL_SIZE}, 'test': {N_TEST}}}" in text
+    assert "images (32, 1, 28, 28) torch.float32" in text
+    assert "first global batch identical for every world size: True" in text
+    assert images_in(notebook) == 1, "the batch grid"
