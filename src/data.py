@@ -360,6 +360,9 @@ class MNISTDataModule(LightningDataModule):
             return 1, 0
         return self.trainer.world_size, self.trainer.global_rank
 
+    def _on_gpu(self) -> bool:
+        return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+
     def _loader(self, dataset: ImageBatches | None, sampler: Sampler) -> DataLoader:
         if dataset is None:
             raise DataError("dataloader requested before setup() loaded its split")
@@ -370,7 +373,8 @@ class MNISTDataModule(LightningDataModule):
             sampler=sampler,
             num_workers=workers,
             persistent_workers=workers > 0,
-            pin_memory=self.hparams.pin_memory,
+            # Only a GPU benefits; Lightning then copies pinned batches with non_blocking=True.
+            pin_memory=self.hparams.pin_memory and self._on_gpu(),
             collate_fn=keep_batch,
         )
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import hydra
 import lightning.pytorch as L
+from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from omegaconf import DictConfig
 
 from src import reporting, tracking
@@ -34,7 +35,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> dict[str, float]:
-    expected = (DataError, CheckpointError, tracking.TrackingError)
+    expected = (DataError, CheckpointError, tracking.TrackingError, ConfigError)
     with reporting.short_errors(*expected), job_scope():
         return evaluate(cfg)
 

@@ -36,7 +36,13 @@ class ImageClassifier(L.LightningModule):
     """Classifies images with a :class:`~src.net.ConvNet` built from ``net`` (config values)."""
 
     def __init__(
-        self, net: dict[str, Any], lr: float, weight_decay: float = 0.0, num_classes: int = 10
+        self,
+        net: dict[str, Any],
+        lr: float,
+        weight_decay: float = 0.0,
+        num_classes: int = 10,
+        compile: bool = False,
+        channels_last: bool = False,
     ) -> None:
         super().__init__()
         # Only plain values go into checkpoints (loadable with weights_only=True); the tracking
@@ -44,6 +50,10 @@ class ImageClassifier(L.LightningModule):
         self.save_hyperparameters(logger=False)
         self.net = ConvNet(num_classes=num_classes, **net)
         self.example_input_array = torch.zeros(1, 1, 28, 28)  # shapes and FLOPs in the summary
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        # torch.compile of the network's forward only: the module (and so the checkpoint keys)
+        # stays the plain ConvNet, and a plain function is not registered as a submodule.
+        self.net_forward = torch.compile(self.net.forward) if compile else self.net.forward
         self.train_metrics = stage_metrics(num_classes)
         self.val_metrics = stage_metrics(num_classes)
         self.test_metrics = stage_metrics(num_classes)
@@ -52,7 +62,10 @@ class ImageClassifier(L.LightningModule):
         self.val_acc_best.persistent(True)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.net(images)
+        return self.net_forward(images.contiguous(memory_format=self.memory_format))
+
+    def setup(self, stage: str) -> None:
+        self.net.to(memory_format=self.memory_format)  # channels_last: NHWC kernels on GPU
 
     def _step(self, batch: Batch, stage: str) -> torch.Tensor:
         logits = self(batch.images)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import hydra
 import lightning.pytorch as L
+from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from omegaconf import DictConfig
 
 from src import reporting, tracking
@@ -33,7 +34,7 @@ def predict(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="predict")
 def main(cfg: DictConfig) -> Path:
-    with reporting.short_errors(DataError, CheckpointError), job_scope():
+    with reporting.short_errors(DataError, CheckpointError, ConfigError), job_scope():
         return predict(cfg)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import hydra
 import lightning.pytorch as L
+from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from omegaconf import DictConfig, OmegaConf
 
 from src import reporting, tracking
@@ -43,7 +44,7 @@ def train(cfg: DictConfig) -> float | None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    with reporting.short_errors(DataError, tracking.TrackingError), job_scope():
+    with reporting.short_errors(DataError, tracking.TrackingError, ConfigError), job_scope():
         return train(cfg)
 
 

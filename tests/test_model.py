@@ -57,4 +57,25 @@ def test_best_val_acc_travels_in_the_checkpoint() -> None:
 
 def test_hyperparameters_are_plain_values() -> None:
     model = ImageClassifier(net=NET, lr=0.01, weight_decay=0.0, num_classes=10)
-    assert dict(model.hparams) == {"net": NET, "lr": 0.01, "weight_decay": 0.0, "num_classes": 10}
+    expected = {"net": NET, "lr": 0.01, "weight_decay": 0.0, "num_classes": 10}
+    assert dict(model.hparams) == {**expected, "compile": False, "channels_last": False}
+
+
+@pytest.mark.parametrize(
+    "options", [{"channels_last": True}, pytest.param({"compile": True}, marks=pytest.mark.slow)]
+)
+def test_speed_options_train_on_cpu(options: dict, tiny_root: Path) -> None:
+    """channels_last and torch.compile work on CPU too (compile needs a C++ compiler there)."""
+    torch.manual_seed(0)
+    model = ImageClassifier(net=NET, lr=0.01, **options)
+    datamodule = MNISTDataModule(
+        name="mnist", root=str(tiny_root), download=False, batch_size=32, val_size=VAL_SIZE
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=3, limit_val_batches=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        precision="bf16-mixed" if options.get("channels_last") else "32-true",
+    )  # fmt: skip
+    trainer.fit(model, datamodule=datamodule)
+    assert trainer.global_step == 3
+    assert set(model.state_dict()) == set(ImageClassifier(net=NET, lr=0.01).state_dict())
