@@ -1,0 +1,369 @@
+"""The template against the raw-PyTorch limit: ``python -m benchmarks.run [--tiny]``.
+
+Prints one table and writes it as JSON (``benchmarks/results.json`` by default). Each figure is
+the median (min-max) of ``--repeats`` runs; on shared machines the ratios are what matter.
+
+1. limit: a plain PyTorch loop over the same ConvNet, data tensors and batch size
+2. template: the training epoch through Lightning (no logger, progress bar on), and its ratio to 1
+3. cold start: process start to the first optimizer step, without a logger and with MLflow
+4. data path: batched fetch (``__getitems__``) against per-sample ``__getitem__`` + collate
+5. exactness cost: DDP test loop with the unpadded sampler against Lightning's padded one
+6. whole job: ``python -m src.train data=fashion_mnist`` wall time and test accuracy
+
+``--tiny`` runs every row on a small generated dataset in about a minute (used by the tests).
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+from torch.utils.data import DataLoader, Dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+WARMUP = 3  # steps left out of every throughput figure
+console = Console()
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def repeat(times: int, measure: Callable[[], float]) -> dict[str, float]:
+    return summary([measure() for _ in range(times)])
+
+
+# --- 1. the limit: plain PyTorch
+
+
+def raw_loop(train_set, batch: int, steps: int) -> float:
+    """Samples/s of a hand-written loop: index, normalise, forward, backward, step."""
+    from src.net import ConvNet
+
+    torch.manual_seed(0)
+    net = ConvNet(num_classes=10)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-4)
+    images, labels = train_set.images, train_set.labels
+    order = torch.randperm(len(labels))
+    start = 0.0
+    for step in range(WARMUP + steps):
+        if step == WARMUP:
+            start = time.perf_counter()
+        index = order[(step * batch) % (len(order) - batch) :][:batch]
+        x = images[index].unsqueeze(1).float().div_(255).sub_(train_set.mean).div_(train_set.std)
+        loss = F.cross_entropy(net(x), labels[index])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return steps * batch / (time.perf_counter() - start)
+
+
+# --- 2. the template's training epoch
+
+
+def template_epoch(datamodule_args: dict, batch: int, steps: int) -> float:
+    """Samples/s of the template's fit loop (model, data module, metrics, rich progress bar)."""
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from src.data import MNISTDataModule
+    from src.model import ImageClassifier
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == WARMUP:
+                self.start = time.perf_counter()
+
+        def on_train_epoch_end(self, trainer, pl_module):  # after the synced epoch metrics
+            self.seconds = time.perf_counter() - self.start
+
+    torch.manual_seed(0)
+    model = ImageClassifier(net={"channels": [32, 64], "hidden": 128}, lr=2e-3, weight_decay=1e-4)
+    clock = Clock()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=WARMUP + steps,
+        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_model_summary=False, callbacks=[RichProgressBar(), clock],
+    )  # fmt: skip
+    datamodule = MNISTDataModule(**datamodule_args, batch_size=batch)
+    trainer.fit(model, datamodule=datamodule)
+    return steps * batch / clock.seconds
+
+
+# --- 3. cold start
+
+FIRST_STEP = """
+import os, sys, time
+from lightning.pytorch.callbacks import Callback
+import src.trainer
+
+class FirstStep(Callback):
+    def on_train_batch_end(self, *args):
+        print("FIRST_STEP", time.time(), flush=True)
+        os._exit(0)
+
+build = src.trainer.build_callbacks
+src.trainer.build_callbacks = lambda *a, **k: [*build(*a, **k), FirstStep()]
+sys.argv = ["src.train", *sys.argv[1:]]
+import runpy
+runpy.run_module("src.train", run_name="__main__")
+"""
+
+
+def cold_start(overrides: list[str], workdir: Path) -> float:
+    """Seconds from starting ``python -m src.train`` to the end of its first optimizer step.
+
+    The child runs the real entry point with one extra callback that prints the time and exits.
+    """
+    command = [sys.executable, "-c", FIRST_STEP, *overrides, f"hydra.run.dir={workdir / 'cold'}"]
+    start = time.time()
+    proc = subprocess.run(
+        command,
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    marks = [line for line in proc.stdout.splitlines() if line.startswith("FIRST_STEP")]
+    if not marks:
+        raise RuntimeError(f"no first step:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return float(marks[0].split()[1]) - start
+
+
+def import_profile(top: int = 8) -> list[tuple[str, float]]:
+    """Where ``import src.train`` spends its time: cumulative seconds per top-level package
+    (``python -X importtime``). mlflow and matplotlib should not appear: they load lazily."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import src.train"],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    packages: dict[str, float] = {}
+    for line in proc.stderr.splitlines():
+        parts = line.split("|")
+        if len(parts) == 3 and parts[1].strip().isdigit():
+            name = parts[2].strip()
+            if "." not in name and name != "src":  # a top-level package, nested imports included
+                packages[name] = max(packages.get(name, 0.0), int(parts[1]) / 1e6)
+    return sorted(packages.items(), key=lambda item: -item[1])[:top]
+
+
+# --- 4. the data path
+
+
+class PerSample(Dataset):
+    """The baseline: one Python call and one tensor per sample, then the default collate."""
+
+    def __init__(self, batches) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int):
+        sample = self.batches[i]
+        return sample.images, sample.labels
+
+
+def loader_throughput(loader: DataLoader, batches: int) -> float:
+    iterator, seen = iter(loader), 0
+    start = time.perf_counter()
+    for _ in range(batches):
+        seen += len(next(iterator)[1])
+    return seen / (time.perf_counter() - start)
+
+
+# --- 5. exactness cost
+
+
+def eval_loop(root: Path, name: str, devices: int, sampler: str, workdir: Path) -> float:
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.eval_sampler",
+        str(root),
+        name,
+        str(devices),
+        sampler,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(command, cwd=workdir, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"eval_sampler failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1])["seconds"]
+
+
+# --- 6. the whole default job
+
+
+def whole_job(root: Path, workdir: Path) -> tuple[float, float]:
+    run_dir = workdir / "job"
+    command = [sys.executable, "-m", "src.train", "data=fashion_mnist", f"data.root={root}"]
+    command += ["logger=none", "callbacks.progress_bar=none", f"hydra.run.dir={run_dir}"]
+    start = time.perf_counter()
+    subprocess.run(
+        command,
+        cwd=workdir,
+        check=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    seconds = time.perf_counter() - start
+    return seconds, json.loads((run_dir / "metrics.json").read_text())["test/acc"]
+
+
+# --- the run
+
+
+def machine() -> dict[str, object]:
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")),
+        platform.processor(),
+    ) if Path("/proc/cpuinfo").exists() else platform.processor()  # fmt: skip
+    return {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict:
+    from src.data import MNISTDataModule, keep_batch
+
+    real = not tiny and (SHARED_DATA / "FashionMNIST" / "raw").is_dir()
+    if real:
+        root, name, val_size = SHARED_DATA, "fashion_mnist", 5000
+    else:
+        from tests.idx_data import make_dataset
+
+        root, name, val_size = workdir / "data", "mnist", 100
+        make_dataset(root, n_train=batch * (WARMUP + steps) + val_size + batch, n_test=300)
+    datamodule_args = {"name": name, "root": str(root), "download": False, "val_size": val_size}
+    datamodule = MNISTDataModule(**datamodule_args, batch_size=batch)
+    datamodule.setup("fit")
+    train_set = datamodule.train_set
+    data_overrides = [f"data={name}", f"data.root={root}", f"data.val_size={val_size}"]
+
+    rows: dict[str, dict] = {}
+    limit = repeat(repeats, lambda: raw_loop(train_set, batch, steps))
+    rows["1. limit: plain PyTorch loop (samples/s)"] = limit
+    template = repeat(repeats, lambda: template_epoch(datamodule_args, batch, steps))
+    rows["2. template training epoch (samples/s)"] = template
+    rows["2. template / limit (target >= 0.90)"] = {
+        k: template[k] / limit["median"] for k in ("median", "min", "max")
+    }
+    quick = [
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+        "callbacks.progress_bar=none",
+    ]
+    for logger in ("none", "mlflow"):
+        rows[f"3. cold start to first step, logger={logger} (s; target <= 3 for none)"] = repeat(
+            repeats,
+            lambda logger=logger: cold_start(
+                [*data_overrides, *quick, f"logger={logger}"], workdir
+            ),
+        )
+    per_batch = DataLoader(train_set, batch_size=batch, shuffle=True, collate_fn=keep_batch)
+    per_sample = DataLoader(PerSample(train_set), batch_size=batch, shuffle=True)
+    fast = repeat(repeats, lambda: loader_throughput(per_batch, steps))
+    slow = repeat(repeats, lambda: loader_throughput(per_sample, min(steps, 20)))
+    rows["4. data path, batched __getitems__ (samples/s)"] = fast
+    rows["4. data path, per-sample __getitem__ baseline (samples/s)"] = slow
+    rows["4. data loading share of a training epoch (%; target < 2)"] = {
+        k: 100 * template["median"] / fast[k] for k in ("median", "min", "max")
+    }
+    for devices in (2, 3):
+        seconds = {
+            s: repeat(repeats, lambda s=s, d=devices: eval_loop(root, name, d, s, workdir))
+            for s in ("unpadded", "padded")
+        }
+        rows[f"5. DDP test loop, devices={devices}, unpadded (s)"] = seconds["unpadded"]
+        rows[f"5. DDP test loop, devices={devices}, padded (s)"] = seconds["padded"]
+        rows[f"5. exactness cost, devices={devices} (%; target < 2)"] = {
+            "median": 100 * (seconds["unpadded"]["median"] / seconds["padded"]["median"] - 1),
+            "min": 100 * (seconds["unpadded"]["min"] / seconds["padded"]["max"] - 1),
+            "max": 100 * (seconds["unpadded"]["max"] / seconds["padded"]["min"] - 1),
+        }
+    if real:
+        jobs = [whole_job(root, workdir) for _ in range(repeats)]
+        rows["6. whole default job on Fashion-MNIST (s)"] = summary(
+            [seconds for seconds, _ in jobs]
+        )
+        rows["6. whole default job, test accuracy"] = summary([accuracy for _, accuracy in jobs])
+    else:
+        rows["6. whole default job on Fashion-MNIST"] = {
+            "skipped": "needs ../shared/data, not --tiny"
+        }
+    rows["GPU rows (GPU-resident data, bf16, compile)"] = {"skipped": "not measured: no GPU here"}
+    return {
+        "machine": machine(),
+        "settings": {
+            "tiny": tiny,
+            "repeats": repeats,
+            "steps": steps,
+            "batch": batch,
+            "data": name,
+        },
+        "rows": rows,
+        "slowest_imports_of_src.train_s": import_profile(),
+    }
+
+
+def show(results: dict) -> None:
+    table = Table("figure", "median", "min", "max", title="Template vs. raw PyTorch")
+    for name, row in results["rows"].items():
+        if "skipped" in row:
+            table.add_row(name, row["skipped"], "", "")
+        else:
+            table.add_row(name, *(f"{row[k]:,.3g}" for k in ("median", "min", "max")))
+    console.print(table)
+    console.print("machine:", results["machine"], "settings:", results["settings"])
+    console.print("slowest imports of src.train (s):", results["slowest_imports_of_src.train_s"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="small generated data, 1 repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=150, help="training steps per throughput run")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results.json")
+    args = parser.parse_args()
+    repeats, steps = (1, 10) if args.tiny else (args.repeats, args.steps)
+    with tempfile.TemporaryDirectory() as workdir:
+        results = run(args.tiny, repeats, steps, args.batch, Path(workdir))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    show(results)
+    console.print(f"written to {args.out}")
+    finite = all(
+        math.isfinite(v)
+        for row in results["rows"].values()
+        for k, v in row.items()
+        if k != "skipped"
+    )
+    sys.exit(0 if finite else 1)
+
+
+if __name__ == "__main__":
+    main()

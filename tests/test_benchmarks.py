@@ -1,0 +1,37 @@
+"""The benchmark runs end to end in its tiny mode and reports every figure."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PROJECT
+
+pytestmark = pytest.mark.slow
+
+
+def test_benchmark_tiny_mode_reports_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--tiny", "--out", str(out)],
+        cwd=PROJECT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    rows = results["rows"]
+    measured = [name for name, row in rows.items() if "skipped" not in row]
+    for prefix in ("1.", "2.", "3.", "4.", "5."):
+        assert any(name.startswith(prefix) for name in measured), f"row {prefix} missing"
+    assert any(name.startswith("6.") for name in rows)
+    for name in measured:
+        row = rows[name]
+        assert row["min"] <= row["median"] <= row["max"], name
+        assert all(math.isfinite(v) for v in row.values()), name
+        if "cost" not in name:  # a cost in % may be negative when the exact loop is faster
+            assert row["min"] > 0, name
+    assert results["machine"]["cores"] >= 1 and results["machine"]["torch"]
+    assert results["slowest_imports_of_src.train_s"], "the import profile is recorded"
+    assert "Template vs. raw PyTorch" in proc.stdout
