@@ -126,6 +126,11 @@ def mask_text(text: str) -> str:
     return URL_CREDENTIALS.sub(rf"\1:{MASK}@", text)
 
 
+def without_password(uri: str) -> str:
+    """``scheme://user:password@host`` → ``scheme://user@host``: safe to store in a checkpoint."""
+    return URL_CREDENTIALS.sub(r"\1@", uri)
+
+
 def mask_secrets(values: Mapping[str, Any]) -> dict[str, Any]:
     """Values whose key looks like a credential become ``***``; URLs lose their password."""
     return {
@@ -279,7 +284,7 @@ def source_tags(source: Mapping[str, str] | None, ckpt_path: str, tracking_uri: 
     tags = {"source_checkpoint": str(Path(ckpt_path).resolve())}
     if source:
         tags["source_run_id"] = source["run_id"]
-        if source["tracking_uri"] == URL_CREDENTIALS.sub(r"\1@", tracking_uri):
+        if source["tracking_uri"] == without_password(tracking_uri):
             tags["mlflow.parentRunId"] = source["run_id"]  # the UI nests it under training
     return tags
 
@@ -297,16 +302,16 @@ def attach_to_source_run(source: Mapping[str, str] | None, path: Path, folder: s
         rank_zero_warn(f"could not attach {path.name} to run {source['run_id']}: {error}")
 
 
-def callbacks(loggers: list[Logger]) -> list[Callback]:
+def callbacks(loggers: list[Logger], cfg: DictConfig) -> list[Callback]:
     logger = mlflow_logger(loggers)
-    return [RecordRunInCheckpoint(logger)] if logger else []
+    return [RecordRunInCheckpoint(logger, cfg.logger.tracking_uri)] if logger else []
 
 
 class RecordRunInCheckpoint(Callback):
     """Stores the MLflow run in every checkpoint, so eval/predict can link back to it."""
 
-    def __init__(self, logger: MLFlowLogger) -> None:
-        self.logger = logger
+    def __init__(self, logger: MLFlowLogger, tracking_uri: str) -> None:
+        self.logger, self.tracking_uri = logger, tracking_uri
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
@@ -314,7 +319,7 @@ class RecordRunInCheckpoint(Callback):
         if trainer.is_global_zero:
             checkpoint["mlflow"] = {
                 "run_id": self.logger.run_id,
-                "tracking_uri": URL_CREDENTIALS.sub(r"\1@", self.logger._tracking_uri),
+                "tracking_uri": without_password(self.tracking_uri),
             }
 
 

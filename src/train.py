@@ -27,7 +27,8 @@ def train(cfg: DictConfig) -> float | None:
         num_classes=datamodule.num_classes, **OmegaConf.to_container(cfg.model, resolve=True)
     )
     loggers = tracking.build_loggers(cfg)
-    trainer = build_trainer(cfg, loggers, fitting=True, extra_callbacks=tracking.callbacks(loggers))
+    extra = tracking.callbacks(loggers, cfg)  # records the MLflow run in checkpoints
+    trainer = build_trainer(cfg, loggers, fitting=True, extra_callbacks=extra)
     out = Path(cfg.paths.output_dir)
     with tracking.run_lifecycle(loggers):
         tracking.log_config(loggers, cfg, trainer)

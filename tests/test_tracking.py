@@ -25,6 +25,7 @@ from src.tracking import (
     mask_secrets,
     prepare_store,
     run_lifecycle,
+    without_password,
 )
 from src.trainer import build_trainer
 from tests.conftest import PROJECT, only_run, read_metrics, run_entry, tiny_overrides
@@ -64,6 +65,7 @@ def test_credentials_are_masked() -> None:
         == "logger.tracking_uri=https://me:***@h"
     )
     assert mask_override("model.lr=0.1") == "model.lr=0.1"
+    assert without_password("https://me:pw@host:5000/x") == "https://me@host:5000/x"
 
 
 @pytest.mark.parametrize("kind", ["none", "csv", "mlflow"])
