@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import lightning.pytorch as L
 import torch
@@ -33,16 +34,6 @@ from omegaconf import DictConfig
 from torch.utils.data import Dataset, DistributedSampler
 
 log = logging.getLogger(__name__)
-
-# What Lightning's launcher sets in the launching process's environment for one DDP job.
-LAUNCH_ENV = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "NODE_RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "OMP_NUM_THREADS",
-)
 
 
 class UnpaddedSampler(DistributedSampler):
@@ -191,18 +182,14 @@ def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:
 def job_scope() -> Iterator[None]:
     """Leave nothing distributed behind: a sweep runs its next job in the same process.
 
-    Resets the process group, the variables Lightning's launcher sets and the thread count.
+    Resets the process group, the environment (Lightning's launcher sets MASTER_ADDR,
+    WORLD_SIZE, LOCAL_RANK, OMP_NUM_THREADS, ...) and the thread count.
     """
     threads = torch.get_num_threads()
-    saved_env = {key: os.environ.get(key) for key in LAUNCH_ENV}
     try:
-        yield
+        with mock.patch.dict(os.environ):  # restores os.environ as it was on exit
+            yield
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         torch.set_num_threads(threads)

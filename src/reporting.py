@@ -134,16 +134,15 @@ def save_test_figures(
 
     was_training = model.training
     model.eval()
-    predicted, confidence = [], []
+    outputs = []
     with torch.no_grad():
         for start in range(0, len(dataset), 1000):
             batch = dataset.__getitems__(list(range(start, min(start + 1000, len(dataset)))))
-            probs = model(batch.images.to(model.device)).softmax(dim=1).cpu()
-            conf, pred = probs.max(dim=1)
-            predicted.append(pred)
-            confidence.append(conf)
+            batch = type(batch)(*(tensor.to(model.device) for tensor in batch))
+            outputs.append(model.predict_step(batch, start // 1000))
     model.train(was_training)
-    predicted, confidence, labels = torch.cat(predicted), torch.cat(confidence), dataset.labels
+    predicted, confidence = (torch.cat([o[key] for o in outputs]).cpu() for key in COLUMNS[2:])
+    labels = dataset.labels
     n = len(classes)
     matrix = torch.bincount(labels * n + predicted, minlength=n * n).reshape(n, n)
     out_dir.mkdir(parents=True, exist_ok=True)

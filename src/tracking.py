@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as L
 from hydra.core.hydra_config import HydraConfig
@@ -97,25 +98,16 @@ def prepare_store(tracking_uri: str) -> None:
         MlflowClient(tracking_uri).search_experiments(max_results=1)
         return
     # A remote server: fail now, in seconds, rather than retrying for minutes mid-training.
-    saved = {
-        k: os.environ.get(k)
-        for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
-    }
-    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="10")
+    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
     try:
-        MlflowClient(tracking_uri).search_experiments(max_results=1)
+        with mock.patch.dict(os.environ, quick):  # only for this check
+            MlflowClient(tracking_uri).search_experiments(max_results=1)
     except Exception as error:
         reason = str(error).splitlines()[0][:200]
         raise TrackingError(
             f"MLflow server {mask_text(tracking_uri)} is not reachable ({reason}). Start it "
             "(README: MLflow server) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
         ) from error
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 # --- what a run records
