@@ -20,18 +20,25 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import lightning.pytorch as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 from torch.utils.data import Dataset, DistributedSampler
+
+from src.shutdown import LAUNCHER_PID_ENV, RankWatchdog, watch_launcher
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +100,68 @@ def build_strategy(cfg: DictConfig) -> str | Strategy:
     """
     if cfg.name != "ddp":
         return cfg.name
-    return DDPStrategy(
+    return WatchedDDPStrategy(
+        watch_s=cfg.watch_s,
+        exit_grace_s=cfg.exit_grace_s,
         process_group_backend=cfg.process_group_backend,
         find_unused_parameters=cfg.find_unused_parameters,
+        timeout=timedelta(seconds=cfg.timeout_s),
     )
+
+
+class WatchedDDPStrategy(DDPStrategy):
+    """Lightning's DDP whose launcher is watched by :class:`~src.shutdown.RankWatchdog`."""
+
+    def __init__(self, watch_s: float, exit_grace_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.watch_s, self.exit_grace_s = watch_s, exit_grace_s
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:
+            env, processes, nodes = self.cluster_environment, self.num_processes, self.num_nodes
+            self._launcher = WatchedLauncher(env, processes, nodes)
+            self._launcher.watch_s, self._launcher.exit_grace_s = self.watch_s, self.exit_grace_s
+
+
+class WatchedLauncher(_SubprocessScriptLauncher):
+    """Starts ranks 1..N-1 like Lightning (re-running the command), then watches them."""
+
+    watch_s: float = 1.0
+    exit_grace_s: float = 10.0
+
+    def launch(self, function: Any, *args: Any, trainer: L.Trainer | None = None, **kw: Any) -> Any:
+        self.cluster_environment.validate_settings(
+            num_devices=self.num_processes, num_nodes=self.num_nodes
+        )
+        me = str(os.getpid())
+        if not self.cluster_environment.creates_processes_externally:
+            os.environ[LAUNCHER_PID_ENV] = me  # inherited by the rank processes
+            self._call_children_scripts()
+            first = self.cluster_environment.node_rank() * self.num_processes + 1
+            watchdog = RankWatchdog(self.procs, first, trainer, self.watch_s, self.exit_grace_s)
+            watchdog.start()
+        elif os.environ.get(LAUNCHER_PID_ENV, me) != me and not getattr(self, "_watching", 0):
+            watch_launcher(self.watch_s)  # a rank process: leave if the launcher is gone
+            self._watching = True
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kw)
+
+
+def check_devices(accelerator: str, devices: int | str) -> None:
+    """Asking for more GPUs than this machine has fails now, saying how many it has."""
+    available = torch.cuda.device_count()
+    if accelerator in ("gpu", "cuda") and available == 0:
+        raise ConfigError(
+            f"accelerator={accelerator} but no GPU is visible here (torch.cuda.device_count() "
+            "is 0); use accelerator=cpu or accelerator=auto"
+        )
+    wants_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and available > 0)
+    if wants_gpu and isinstance(devices, int) and devices > available:
+        raise ConfigError(
+            f"devices={devices} but this machine has {available} GPU(s); use devices={available} "
+            "(and num_nodes=... for more machines) or accelerator=cpu"
+        )
 
 
 def use_sync_batchnorm(cfg: DictConfig) -> bool:

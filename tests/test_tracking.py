@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
 from mlflow import MlflowClient
 
@@ -20,15 +19,12 @@ from src.tracking import (
     artifact_location,
     build_loggers,
     flatten,
-    log_config,
     mask_override,
     mask_secrets,
     prepare_store,
-    run_lifecycle,
     without_password,
 )
-from src.trainer import build_trainer
-from tests.conftest import PROJECT, only_run, read_metrics, run_entry, tiny_overrides
+from tests.conftest import read_metrics, run_entry, tiny_overrides
 from tests.test_config import compose_config
 
 
@@ -76,21 +72,6 @@ def test_logger_kinds(kind: str, tmp_path: Path) -> None:
     assert all(isinstance(logger, cls) for logger, cls in zip(loggers, expected, strict=True))
 
 
-def test_errors_fail_the_run_and_interrupts_kill_it(tmp_path: Path) -> None:
-    cfg = compose_config("train", ["model.lr=0.5"], tmp_path)
-    client = MlflowClient(cfg.logger.tracking_uri)
-    for error, status in ((RuntimeError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED")):
-        loggers = build_loggers(cfg)
-        trainer = build_trainer(cfg, loggers, fitting=False)
-        with pytest.raises(type(error)), run_lifecycle(loggers):
-            log_config(loggers, cfg, trainer)
-            raise error
-        run = client.get_run(loggers[0].run_id)
-        assert run.info.status == status
-        assert run.data.params["model.lr"] == "0.5" and run.data.params["world_size"] == "1"
-    assert run.info.artifact_uri.startswith(str(tmp_path / "mlartifacts"))
-
-
 def test_unreachable_server_is_a_clear_error_at_once(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -101,34 +82,7 @@ def test_unreachable_server_is_a_clear_error_at_once(tmp_path: Path) -> None:
         prepare_store(f"http://u:pw@127.0.0.1:{port}")
 
 
-# --- real jobs: run lifecycle on signals, a real `mlflow server`
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
-def test_stopped_run_is_killed_and_keeps_last_checkpoint(
-    stop: signal.Signals, tiny_root: Path, tmp_path: Path
-) -> None:
-    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "src.train", *tiny_overrides(tiny_root), "trainer.max_epochs=500",
-         f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(PROJECT)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not last.exists() and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert last.exists(), "training never reached the end of an epoch"
-    job.send_signal(stop)
-    _, stderr = job.communicate(timeout=60)
-    assert job.returncode != 0
-    _, run = only_run(tmp_path / "mlflow.db")
-    assert run.info.status == "KILLED", stderr[-2000:]
-    assert torch.load(last, weights_only=True)["epoch"] >= 0
+# --- real jobs against a real `mlflow server`
 
 
 @pytest.fixture

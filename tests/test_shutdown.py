@@ -1,0 +1,174 @@
+"""Ending early with real processes: stop signals, a killed rank, a killed launcher."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from src.shutdown import run_lifecycle
+from src.tracking import build_loggers, log_config
+from src.trainer import build_trainer
+from tests.conftest import PROJECT, only_run, tiny_overrides
+from tests.test_config import compose_config
+
+
+def test_errors_fail_the_run_and_interrupts_kill_it(tmp_path: Path) -> None:
+    cfg = compose_config("train", ["model.lr=0.5"], tmp_path)
+    client = MlflowClient(cfg.logger.tracking_uri)
+    for error, status in ((RuntimeError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED")):
+        trainer = build_trainer(cfg, build_loggers(cfg), fitting=False)
+        with pytest.raises((RuntimeError, SystemExit)) as raised, run_lifecycle(trainer):
+            log_config(trainer.loggers, cfg, trainer)
+            raise error
+        run = client.get_run(trainer.loggers[0].run_id)
+        assert run.info.status == status
+        assert run.data.params["model.lr"] == "0.5" and run.data.params["world_size"] == "1"
+    assert raised.value.code == 128 + signal.SIGINT, "an interrupt exits like Ctrl-C"
+
+
+# --- real jobs
+
+
+class Job:
+    """A training job running in the background, in its own session so nothing outlives it."""
+
+    def __init__(self, tiny_root: Path, workdir: Path, *overrides: str) -> None:
+        self.run_dir = workdir / "run"
+        self.last = self.run_dir / "checkpoints" / "last.ckpt"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "src.train", *tiny_overrides(tiny_root),
+             "trainer.max_epochs=500", f"hydra.run.dir={self.run_dir}", *overrides],
+            cwd=workdir,
+            env={**os.environ, "PYTHONPATH": str(PROJECT)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        self.stderr = ""
+
+    def wait_for_checkpoint(self, ranks: int) -> list[psutil.Process]:
+        """Wait until last.ckpt exists; return the job's processes (launcher first)."""
+        deadline = time.monotonic() + 120
+        while not self.last.exists() and self.proc.poll() is None:
+            assert time.monotonic() < deadline, "training never reached the end of an epoch"
+            time.sleep(0.1)
+        assert self.proc.poll() is None, self.proc.communicate()[1][-3000:]
+        launcher = psutil.Process(self.proc.pid)
+        processes = [launcher, *launcher.children()]
+        assert len(processes) == ranks, processes
+        return processes
+
+    def wait(self, timeout: float) -> float:
+        """Seconds until the job exited (fails after ``timeout``)."""
+        start = time.monotonic()
+        _, self.stderr = self.proc.communicate(timeout=timeout)
+        return time.monotonic() - start
+
+    def kill_all(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def job_factory(tiny_root: Path, tmp_path: Path) -> Iterator:
+    jobs: list[Job] = []
+
+    def start(*overrides: str) -> Job:
+        jobs.append(Job(tiny_root, tmp_path, *overrides))
+        return jobs[-1]
+
+    yield start
+    for job in jobs:
+        job.kill_all()
+
+
+def assert_gone(processes: list[psutil.Process]) -> None:
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    assert not alive, f"processes outlived the job: {alive}"
+
+
+def assert_loadable(last: Path) -> None:
+    saved = torch.load(last, weights_only=True)
+    assert saved["epoch"] >= 0 and saved["state_dict"]
+    assert not list(last.parent.glob(".*.tmp")), "no temporary checkpoint left behind"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("stop", "devices"),
+    [(signal.SIGINT, 1), (signal.SIGTERM, 1), (signal.SIGINT, 2), (signal.SIGTERM, 2)],
+)
+def test_stop_signal_on_the_launcher_stops_every_rank(
+    stop: signal.Signals, devices: int, job_factory, tmp_path: Path
+) -> None:
+    job = job_factory("strategy=ddp", f"devices={devices}")
+    processes = job.wait_for_checkpoint(ranks=devices)
+    job.proc.send_signal(stop)  # the launcher only, as `kill` or a scheduler would
+    job.wait(timeout=60)
+    assert job.proc.returncode == 128 + stop, job.stderr[-3000:]
+    assert "stopping after the current training step" in (job.run_dir / "train.log").read_text()
+    assert_gone(processes)
+    _, run = only_run(tmp_path / "mlflow.db")
+    assert run.info.status == "KILLED"
+    assert_loadable(job.last)
+
+
+@pytest.mark.slow
+def test_killed_rank_fails_the_job_within_the_bound(job_factory, tmp_path: Path) -> None:
+    watch_s, grace_s = 0.5, 5
+    bound = [f"strategy.watch_s={watch_s}", f"strategy.exit_grace_s={grace_s}"]
+    job = job_factory("strategy=ddp", "devices=2", *bound)
+    processes = job.wait_for_checkpoint(ranks=2)
+    rank1 = processes[1]
+    rank1.send_signal(signal.SIGKILL)
+    seconds = job.wait(timeout=120)
+    assert seconds < watch_s + grace_s + 5, f"the job took {seconds:.1f} s to end"
+    assert job.proc.returncode == 1
+    assert f"rank 1 (pid {rank1.pid}) was killed by SIGKILL" in job.stderr, job.stderr[-3000:]
+    assert "Traceback" not in job.stderr
+    assert_gone(processes)
+    _, run = only_run(tmp_path / "mlflow.db")
+    assert run.info.status == "FAILED"
+    assert_loadable(job.last)
+
+
+@pytest.mark.slow
+def test_killed_launcher_takes_no_rank_with_it(job_factory) -> None:
+    job = job_factory("strategy=ddp", "devices=2", "strategy.watch_s=0.5")
+    launcher, rank1 = job.wait_for_checkpoint(ranks=2)
+    launcher.send_signal(signal.SIGKILL)
+    rank1.wait(timeout=10)  # raises if rank 1 outlives its launcher by 10 s
+    job.wait(timeout=10)
+    assert "the launching process (rank 0" in job.stderr or "Connection" in job.stderr
+
+
+def test_watchdog_ends_a_job_whose_rank_zero_is_stuck(tmp_path: Path) -> None:
+    # Rank 0 normally fails on its own when a peer dies; under NCCL it can wait in a collective
+    # for the whole timeout. The watchdog must end such a job: here rank 0 just sleeps.
+    script = f"""
+import subprocess, sys, time
+from types import SimpleNamespace
+sys.path.insert(0, {str(PROJECT)!r})
+from src.shutdown import RankWatchdog
+rank = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"])
+trainer = SimpleNamespace(loggers=[], callbacks=[], default_root_dir={str(tmp_path)!r})
+RankWatchdog([rank], 1, trainer, every_s=0.2, grace_s=1).start()
+time.sleep(60)  # stuck
+"""
+    start = time.monotonic()
+    command = [sys.executable, "-c", script]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    assert time.monotonic() - start < 20
+    assert proc.returncode == 1
+    assert "rank 1 (pid" in proc.stderr and "was killed by SIGKILL" in proc.stderr
+    assert "did not stop within 1 s" in proc.stderr
