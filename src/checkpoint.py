@@ -1,16 +1,206 @@
-"""Loading a training checkpoint for eval/predict: the model, and the data it was trained on."""
+"""Checkpoints: written atomically, checked before a job relies on one, resumed exactly.
 
+* :class:`AtomicCheckpointIO` writes every ``.ckpt`` to a temporary file beside its target,
+  syncs it and renames it over the target: a crash, SIGKILL or full disk leaves the previous
+  file whole. (Lightning's default stages the file in the system temp folder and moves it,
+  which is a plain copy when that folder is on another filesystem.)
+* :func:`read_checkpoint` and :func:`check_fits` refuse a missing file, a file that is not a
+  training checkpoint, or one of another dataset or network shape before any work starts,
+  naming the layer or the config keys that differ.
+* :class:`SeedEachBatch` makes the randomness of every training step (dropout) a function of
+  (seed, epoch, batch, rank), so a run resumed from a checkpoint draws exactly what an
+  uninterrupted run draws, with no per-rank generator state to gather and store.
+"""
+
+import inspect
+import os
+import random
+import tempfile
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as L
+import numpy as np
 import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig
 
 from src.data import MNISTDataModule
 from src.model import ImageClassifier
+from src.net import ConvNet
+
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing or does not fit the requested job."""
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` to ``.<name>.<random>.tmp`` in the target folder, fsync, then rename."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None
+    ) -> None:
+        if "://" in str(path):  # remote storage: Lightning's fsspec writer
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as file:
+                torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.chmod(temp, 0o666 & ~_UMASK)  # mkstemp creates 0600
+            os.replace(temp, path)
+        except BaseException:
+            Path(temp).unlink(missing_ok=True)
+            raise
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename itself survives a power loss
+        finally:
+            os.close(folder)
+
+
+def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:
+    """The contents of a checkpoint written by ``src.train``, or a one-line reason it is not."""
+    if not ckpt_path:
+        raise CheckpointError(
+            "ckpt_path is required, e.g. ckpt_path=outputs/train/runs/<time>/checkpoints/last.ckpt"
+        )
+    path = Path(ckpt_path)
+    if not path.is_file():
+        raise CheckpointError(f"ckpt_path={ckpt_path}: no such file")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0][:160]
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path} is not a readable checkpoint ({reason}); "
+            "pass a .ckpt written by src.train"
+        ) from error
+    if not isinstance(saved, dict) or "state_dict" not in saved:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path} is not a Lightning checkpoint (no state_dict); "
+            "pass a .ckpt written by src.train"
+        )
+    return saved
+
+
+def check_fits(saved: Mapping[str, Any], model: ImageClassifier, data_name: str, path: str) -> None:
+    """Refuse to resume from a checkpoint of another dataset, network or kind (weights only)."""
+    name = Path(path).name
+    trained_on = saved.get("datamodule_hyper_parameters", {}).get("name")
+    if trained_on and trained_on != data_name:
+        raise CheckpointError(
+            f"{name} was trained on {trained_on} but data={data_name}; add data={trained_on}"
+        )
+    check_weights_fit(saved, model.state_dict(), name, model.hparams)
+    if "optimizer_states" not in saved or "loops" not in saved:
+        raise CheckpointError(
+            f"{name} holds weights only and cannot resume training; evaluate it with src.eval "
+            "or resume from a last.ckpt"
+        )
+
+
+def check_weights_fit(
+    saved: Mapping[str, Any],
+    expected: Mapping[str, torch.Tensor],
+    name: str,
+    hparams: Mapping[str, Any],
+) -> None:
+    """Name the first tensor that is missing, unexpected or of another shape, and the config
+    keys of the network that explain it."""
+    found = saved["state_dict"]
+    problem = next(
+        (
+            f"layer {key} is {tuple(found[key].shape)} in the checkpoint but "
+            f"{tuple(tensor.shape)} in this model"
+            for key, tensor in expected.items()
+            if key in found and found[key].shape != tensor.shape
+        ),
+        None,
+    )
+    missing = [key for key in expected if key not in found]
+    unexpected = [key for key in found if key not in expected]
+    if problem is None and (missing or unexpected):
+        problem = f"tensors missing: {missing[:3]}, not in this model: {unexpected[:3]}"
+    if problem is None:
+        return
+    theirs = saved.get("hyper_parameters", {}).get("net", {})
+    ours = hparams.get("net", {})
+    differing = [
+        f"model.net.{key}={theirs[key]} (here {ours.get(key)})"
+        for key in theirs
+        if key in ours and theirs[key] != ours[key]
+    ]
+    hint = f"; the checkpoint was trained with {', '.join(differing)}" if differing else ""
+    raise CheckpointError(f"{name} does not fit this model: {problem}{hint}")
+
+
+def model_from_checkpoint(saved: Mapping[str, Any], name: str) -> ImageClassifier:
+    """Rebuild the trained model from a checkpoint's own hyperparameters.
+
+    A checkpoint from an older config may lack keys added since: they take today's defaults
+    (with a warning naming them). Keys this code no longer knows, or a missing key that has no
+    default, are refused by name.
+    """
+    hparams = dict(saved.get("hyper_parameters", {}))
+    net = dict(hparams.get("net", {}))
+    unknown, missing, defaulted = compare_keys(hparams, ImageClassifier, "")
+    net_unknown, net_missing, net_defaulted = compare_keys(net, ConvNet, "net.")
+    unknown, missing = unknown + net_unknown, missing + net_missing
+    if unknown or missing:
+        raise CheckpointError(
+            f"{name} was saved by a different version of the model: "
+            + "; ".join(
+                part
+                for part in (
+                    f"keys this code does not know: {', '.join(unknown)}" if unknown else "",
+                    f"keys it lacks: {', '.join(missing)}" if missing else "",
+                )
+                if part
+            )
+            + ". Load it with the code version that wrote it (its git.commit tag in MLflow)"
+        )
+    if defaulted + net_defaulted:
+        warnings.warn(
+            f"{name} predates config keys {', '.join(defaulted + net_defaulted)}: "
+            "they take today's defaults",
+            stacklevel=2,
+        )
+    model = ImageClassifier(**hparams)
+    # Only the network's tensors matter for inference (metric states may be newer or older).
+    network = {key: value for key, value in model.state_dict().items() if key.startswith("net.")}
+    weights = {key: value for key, value in saved["state_dict"].items() if key.startswith("net.")}
+    check_weights_fit({**saved, "state_dict": weights}, network, name, model.hparams)
+    model.load_state_dict(weights, strict=False)
+    return model
+
+
+def compare_keys(
+    values: Mapping[str, Any], target: type, prefix: str
+) -> tuple[list[str], list[str], list[str]]:
+    """(unknown, missing without default, missing with default) keys of ``target``'s init."""
+    parameters = dict(inspect.signature(target.__init__).parameters)
+    parameters.pop("self")
+    if prefix == "net.":
+        parameters.pop("num_classes", None)  # passed by ImageClassifier, not stored under net
+    unknown = [prefix + key for key in values if key not in parameters]
+    absent = [key for key in parameters if key not in values]
+    missing = [prefix + key for key in absent if parameters[key].default is inspect.Parameter.empty]
+    defaulted = [
+        f"{prefix}{key}={parameters[key].default}"
+        for key in absent
+        if parameters[key].default is not inspect.Parameter.empty
+    ]
+    return unknown, missing, defaulted
 
 
 def load_for_inference(
@@ -21,18 +211,37 @@ def load_for_inference(
 
     Checkpoints hold plain values only, so they load with ``weights_only=True``.
     """
-    if not ckpt_path:
-        raise CheckpointError(
-            "ckpt_path is required, e.g. ckpt_path=outputs/train/runs/<time>/checkpoints/last.ckpt"
-        )
-    path = Path(ckpt_path)
-    if not path.is_file():
-        raise CheckpointError(f"ckpt_path={ckpt_path}: no such file")
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved = read_checkpoint(ckpt_path)
+    name = Path(ckpt_path).name
     trained_on = saved.get("datamodule_hyper_parameters", {}).get("name")
     if trained_on and trained_on != data.name:
         raise CheckpointError(
-            f"{path.name} was trained on {trained_on} but data={data.name}; add data={trained_on}"
+            f"{name} was trained on {trained_on} but data={data.name}; add data={trained_on}"
         )
-    model = ImageClassifier.load_from_checkpoint(path, map_location="cpu", weights_only=True)
-    return model, MNISTDataModule(**data), saved.get("mlflow")
+    return model_from_checkpoint(saved, name), MNISTDataModule(**data), saved.get("mlflow")
+
+
+class SeedEachBatch(Callback):
+    """Seeds python, numpy and torch before every training step from (seed, epoch, batch, rank).
+
+    The seed travels in the checkpoint, so a resumed run continues the same streams even when
+    the first run drew its seed at random (``seed=null``). Ranks draw different dropout masks.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        entropy = [self.seed, trainer.current_epoch, batch_idx, trainer.global_rank]
+        step_seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
+        random.seed(step_seed)
+        np.random.seed(step_seed)
+        torch.manual_seed(step_seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.seed = state_dict["seed"]

@@ -327,6 +327,11 @@ class MNISTDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         world = self.trainer.world_size if self.trainer is not None else 1
         self.per_device_batch_size = per_device_batch_size(self.hparams.batch_size, world)
+        self.load(stage)
+
+    def load(self, stage: str | None = None) -> None:
+        """Read and validate (once) the splits ``stage`` needs. The entry points call it before
+        any run or process starts, so missing, corrupt or too-small data fails first."""
         if stage in (None, "fit", "validate") or (
             stage == "predict" and self.predict_split != "test"
         ):

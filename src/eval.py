@@ -15,6 +15,7 @@ from src import reporting, tracking
 from src.checkpoint import CheckpointError, load_for_inference
 from src.data import DataError
 from src.distributed import job_scope
+from src.shutdown import RankFailed, run_lifecycle
 from src.trainer import build_trainer
 
 
@@ -22,11 +23,13 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     reporting.show_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
     model, datamodule, source = load_for_inference(cfg.ckpt_path, cfg.data)
+    datamodule.prepare_data()
+    datamodule.load({"test": "test", "val": "validate"}[cfg.split])  # bad data fails now
     tags = tracking.source_tags(source, cfg.ckpt_path, cfg.logger.get("tracking_uri", ""))
     loggers = tracking.build_loggers(cfg, extra_tags=tags)
     trainer = build_trainer(cfg, loggers, fitting=False)
     run_loop = {"test": trainer.test, "val": trainer.validate}[cfg.split]
-    with tracking.run_lifecycle(loggers):
+    with run_lifecycle(trainer):
         tracking.log_config(loggers, cfg, trainer)
         metrics = run_loop(model, datamodule=datamodule)[0]
         reporting.report_metrics(metrics, Path(cfg.paths.output_dir))
@@ -35,7 +38,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> dict[str, float]:
-    expected = (DataError, CheckpointError, tracking.TrackingError, ConfigError)
+    expected = (DataError, CheckpointError, tracking.TrackingError, ConfigError, RankFailed)
     with reporting.short_errors(*expected), job_scope():
         return evaluate(cfg)
 

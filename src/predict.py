@@ -23,6 +23,8 @@ def predict(cfg: DictConfig) -> Path:
     L.seed_everything(cfg.seed, workers=True)
     model, datamodule, source = load_for_inference(cfg.ckpt_path, cfg.data)
     datamodule.predict_split = cfg.split
+    datamodule.prepare_data()
+    datamodule.load("predict")  # bad data fails now
     writer = reporting.PredictionWriter(Path(cfg.paths.output_dir) / f"predictions_{cfg.split}.csv")
     trainer = build_trainer(cfg, loggers=[], fitting=False, extra_callbacks=[writer])
     trainer.predict(model, datamodule=datamodule, return_predictions=True)

@@ -3,6 +3,7 @@ the results table and ``metrics.json`` at the end. Rank 0 only."""
 
 import csv
 import json
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
+from hydra.experimental.callback import Callback as HydraCallback
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -36,6 +38,36 @@ def short_errors(*expected: type[Exception]) -> Iterator[None]:
         if in_multirun():
             raise  # Hydra records the failed job, runs the others, and reports it at the end
         raise SystemExit(1) from error
+
+
+class CheckOutputFolder(HydraCallback):
+    """Hydra creates the job's output folder before the job starts, and where it cannot, ends in
+    a traceback. This says so in one line, with the fix, before anything is written."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_writable(Path(config.hydra.run.dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_writable(Path(config.hydra.sweep.dir))
+
+
+def check_writable(folder: Path) -> None:
+    existing = folder.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        problem = f"{existing} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable"
+    else:
+        return
+    errors.print(
+        f"[bold red]Error:[/] output folder {folder} cannot be created: {problem}. Set "
+        "paths.log_dir=... (or hydra.run.dir=...) to a folder you can write to",
+        highlight=False,
+        soft_wrap=True,
+    )
+    raise SystemExit(1)
 
 
 @rank_zero_only

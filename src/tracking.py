@@ -8,14 +8,11 @@ that say where it came from, per-epoch metrics (step = epoch), the data it read,
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import threading
 import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -42,16 +39,40 @@ class TrackingError(RuntimeError):
 
 
 class EpochMLFlowLogger(MLFlowLogger):
-    """Epoch-level metrics use the epoch as their step, so the UI's x-axis counts epochs."""
+    """Epoch-level metrics use the epoch as their step, so the UI's x-axis counts epochs.
 
+    When it continues a run (a resumed training job), a metric is not logged again at a step the
+    run already has: a job killed after logging an epoch but before checkpointing it repeats
+    that epoch on resume, with the same values, and the history keeps one point per epoch.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.continued = kwargs.get("run_id") is not None
+        self._last_step: dict[str, int] = {}
+
+    @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         metrics = dict(metrics)
         epoch = metrics.pop("epoch", None)
-        super().log_metrics(metrics, step=int(epoch) if epoch is not None else step)
+        step = int(epoch) if epoch is not None else step
+        if self.continued and step is not None:
+            metrics = {key: v for key, v in metrics.items() if step > self._logged_until(key)}
+        if metrics:
+            super().log_metrics(metrics, step=step)
+            self._last_step.update(dict.fromkeys(metrics, step if step is not None else -1))
+
+    def _logged_until(self, key: str) -> int:
+        if key not in self._last_step:
+            history = self.experiment.get_metric_history(self.run_id, key)
+            self._last_step[key] = max((m.step for m in history), default=-1)
+        return self._last_step[key]
 
 
-def build_loggers(cfg: DictConfig, extra_tags: Mapping[str, str] | None = None) -> list[Logger]:
-    """The loggers chosen by ``logger=mlflow|csv|none``."""
+def build_loggers(
+    cfg: DictConfig, extra_tags: Mapping[str, str] | None = None, continue_run: str | None = None
+) -> list[Logger]:
+    """The loggers chosen by ``logger=mlflow|csv|none``; MLflow continues ``continue_run``."""
     kind = cfg.logger.kind
     if kind == "none":
         return []
@@ -67,6 +88,7 @@ def build_loggers(cfg: DictConfig, extra_tags: Mapping[str, str] | None = None) 
                 tracking_uri=uri,
                 artifact_location=artifact_location(uri),
                 tags={**run_tags(cfg), **(extra_tags or {})},
+                run_id=continue_run,
             )
         ]
     raise ValueError(f"logger.kind={kind!r} is not one of mlflow, csv, none")
@@ -94,8 +116,15 @@ def prepare_store(tracking_uri: str) -> None:
     from mlflow import MlflowClient
 
     if tracking_uri.startswith(SQLITE_PREFIX):
-        Path(tracking_uri.removeprefix(SQLITE_PREFIX)).parent.mkdir(parents=True, exist_ok=True)
-        MlflowClient(tracking_uri).search_experiments(max_results=1)
+        try:
+            Path(tracking_uri.removeprefix(SQLITE_PREFIX)).parent.mkdir(parents=True, exist_ok=True)
+            MlflowClient(tracking_uri).search_experiments(max_results=1)
+        except Exception as error:
+            reason = str(error).strip().splitlines()[0][:200]
+            raise TrackingError(
+                f"MLflow store {tracking_uri} cannot be opened ({reason}). Set "
+                "logger.tracking_uri=sqlite:///<a folder you can write to>/mlflow.db"
+            ) from error
         return
     # A remote server: fail now, in seconds, rather than retrying for minutes mid-training.
     quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
@@ -198,14 +227,61 @@ def git_state(folder: Path) -> dict[str, str]:
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}
 
 
+def run_to_continue(saved: Mapping[str, Any] | None, cfg: DictConfig) -> str | None:
+    """The MLflow run a resumed job continues: the one its checkpoint was written by, if that
+    run is in this job's store and ``logger.continue_run`` is true; else a new run."""
+    if not saved or cfg.logger.kind != "mlflow" or not cfg.logger.get("continue_run", True):
+        return None
+    source = saved.get("mlflow")
+    if not source or source["tracking_uri"] != without_password(cfg.logger.tracking_uri):
+        return None
+    if rank_zero_only.rank != 0:
+        return source["run_id"]  # only rank 0 talks to the store
+    from mlflow import MlflowClient
+
+    try:
+        MlflowClient(cfg.logger.tracking_uri).get_run(source["run_id"])
+    except Exception:
+        rank_zero_warn(f"run {source['run_id']} of the checkpoint is gone; starting a new run")
+        return None
+    return source["run_id"]
+
+
 def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> None:
     """Record the run's parameters; for MLflow in full, never silently cut short."""
     params = run_params(cfg, trainer)
     for logger in loggers:
-        if isinstance(logger, MLFlowLogger):
+        if isinstance(logger, EpochMLFlowLogger) and logger.continued:
+            reopen_run(logger, params)
+        elif isinstance(logger, MLFlowLogger):
             log_mlflow_params(logger, params)
         else:
             logger.log_hyperparams(params)
+
+
+@rank_zero_only
+def reopen_run(logger: EpochMLFlowLogger, params: Mapping[str, Any]) -> None:
+    """A resumed job continues its run: RUNNING again, and what differs is recorded.
+
+    MLflow never changes a logged parameter, so values that differ from the first job's (the
+    output folder, ``ckpt_path``, anything overridden) are listed in a ``resume.<n>.`` tag.
+    """
+    run = logger.experiment.get_run(logger.run_id)
+    count = int(run.data.tags.get("resume.count", "0")) + 1
+    old = run.data.params
+    changed = [f"{k}: {old[k]} -> {v}" for k, v in params.items() if k in old and old[k] != str(v)]
+    logger.experiment.update_run(logger.run_id, status="RUNNING")
+    # The first job's tags stay; this job's differing ones (command, folder) go under resume.<n>.
+    tags = {
+        f"resume.{count}.{key}": value
+        for key, value in logger.tags.items()
+        if run.data.tags.get(key) != value and not key.startswith("mlflow.")
+    }
+    tags["resume.count"] = str(count)
+    tags[f"resume.{count}.changed_params"] = "\n".join(changed)[:5000] or "(none)"
+    for key, value in tags.items():
+        logger.experiment.set_tag(logger.run_id, key, value)
+    log_mlflow_params(logger, {k: v for k, v in params.items() if k not in old})
 
 
 @rank_zero_only
@@ -313,34 +389,3 @@ class RecordRunInCheckpoint(Callback):
                 "run_id": self.logger.run_id,
                 "tracking_uri": without_password(self.tracking_uri),
             }
-
-
-# --- run lifecycle
-
-
-@contextmanager
-def run_lifecycle(loggers: list[Logger]) -> Iterator[None]:
-    """End the run KILLED on Ctrl-C or SIGTERM, FAILED on any other error, never RUNNING.
-
-    Lightning marks every interrupted run "failed"; the signal handlers installed here tell
-    a stop request apart and turn it into KeyboardInterrupt, which Lightning handles cleanly.
-    """
-    stopped_by: list[str] = []
-
-    def stop(signum: int, frame: Any) -> None:
-        stopped_by.append(signal.Signals(signum).name)
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    handled = (signal.SIGINT, signal.SIGTERM)
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, stop) for sig in handled} if main_thread else {}
-    try:
-        yield
-    except BaseException as error:
-        killed = stopped_by or isinstance(error, KeyboardInterrupt)
-        for logger in loggers:
-            logger.finalize("KILLED" if killed else "failed")
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -10,10 +10,12 @@ import lightning.pytorch as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from omegaconf import DictConfig, OmegaConf
 
-from src import reporting, tracking
+from src import checkpoint, reporting, tracking
+from src.checkpoint import CheckpointError
 from src.data import DataError, MNISTDataModule
 from src.distributed import in_multirun, job_scope, run_sweep_job_in_own_process
 from src.model import ImageClassifier
+from src.shutdown import RankFailed, run_lifecycle
 from src.trainer import build_trainer
 
 
@@ -21,16 +23,22 @@ def train(cfg: DictConfig) -> float | None:
     if in_multirun() and build_trainer(cfg, [], fitting=False).world_size > 1:
         return run_sweep_job_in_own_process(cfg.optimized_metric)  # see src/distributed.py
     reporting.show_config(cfg)
-    L.seed_everything(cfg.seed, workers=True)
+    seed = L.seed_everything(cfg.seed, workers=True)
+    # Everything that can be checked is checked before a run or a rank process exists.
     datamodule = MNISTDataModule(**cfg.data)
+    datamodule.prepare_data()
+    datamodule.load()  # train, validation and test splits
     model = ImageClassifier(
         num_classes=datamodule.num_classes, **OmegaConf.to_container(cfg.model, resolve=True)
     )
-    loggers = tracking.build_loggers(cfg)
-    extra = tracking.callbacks(loggers, cfg)  # records the MLflow run in checkpoints
+    resume = checkpoint.read_checkpoint(cfg.ckpt_path) if cfg.ckpt_path else None
+    if resume:
+        checkpoint.check_fits(resume, model, cfg.data.name, cfg.ckpt_path)
+    loggers = tracking.build_loggers(cfg, continue_run=tracking.run_to_continue(resume, cfg))
+    extra = [checkpoint.SeedEachBatch(seed), *tracking.callbacks(loggers, cfg)]
     trainer = build_trainer(cfg, loggers, fitting=True, extra_callbacks=extra)
     out = Path(cfg.paths.output_dir)
-    with tracking.run_lifecycle(loggers):
+    with run_lifecycle(trainer):
         tracking.log_config(loggers, cfg, trainer)
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
@@ -45,7 +53,8 @@ def train(cfg: DictConfig) -> float | None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    with reporting.short_errors(DataError, tracking.TrackingError, ConfigError), job_scope():
+    expected = (DataError, CheckpointError, tracking.TrackingError, ConfigError, RankFailed)
+    with reporting.short_errors(*expected), job_scope():
         return train(cfg)
 
 

@@ -14,13 +14,16 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
+from src.checkpoint import AtomicCheckpointIO
 from src.data import per_device_batch_size
-from src.distributed import LogRankSetup, build_strategy, use_sync_batchnorm
+from src.distributed import LogRankSetup, build_strategy, check_devices, use_sync_batchnorm
+from src.shutdown import StopOnSignal
 
 
 def build_callbacks(cfg: DictConfig, fitting: bool) -> list[Callback]:
-    """Rank setup log and progress bar always; checkpointing and model summary when training."""
-    callbacks: list[Callback] = [LogRankSetup()]
+    """Rank setup log, stop on signal and progress bar always; checkpointing and model summary
+    when training."""
+    callbacks: list[Callback] = [LogRankSetup(), StopOnSignal()]
     bar = cfg.callbacks.progress_bar
     if bar == "rich":
         callbacks.append(RichProgressBar())
@@ -58,6 +61,7 @@ def build_trainer(
     cfg: DictConfig, loggers: list[Logger], fitting: bool, extra_callbacks: Sequence[Callback] = ()
 ) -> L.Trainer:
     """A Trainer for ``cfg``: hardware from the top-level keys, loop settings from ``trainer``."""
+    check_devices(cfg.accelerator, cfg.devices)
     trainer = L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
@@ -69,6 +73,7 @@ def build_trainer(
         enable_progress_bar=cfg.callbacks.progress_bar != "none",
         enable_model_summary=fitting,
         default_root_dir=cfg.paths.output_dir,
+        plugins=[AtomicCheckpointIO()],  # a crash never leaves a half-written checkpoint
         **OmegaConf.to_container(cfg.trainer, resolve=True),
     )
     # The world size is known now: refuse a global batch that does not split, before any work.
