@@ -7,6 +7,8 @@
 * :func:`read_checkpoint` and :func:`check_fits` refuse a missing file, a file that is not a
   training checkpoint, or one of another dataset or network shape before any work starts,
   naming the layer or the config keys that differ.
+* :class:`BestCheckpoint` keeps the best checkpoint so far when a run resumes into a new output
+  folder (Lightning forgets it there, and would call the first resumed epoch the best).
 * :class:`SeedEachBatch` makes the randomness of every training step (dropout) a function of
   (seed, epoch, batch, rank), so a run resumed from a checkpoint draws exactly what an
   uninterrupted run draws, with no per-rank generator state to gather and store.
@@ -15,6 +17,7 @@
 import inspect
 import os
 import random
+import shutil
 import tempfile
 import warnings
 from collections.abc import Mapping
@@ -24,8 +27,9 @@ from typing import Any
 import lightning.pytorch as L
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig
 
 from src.data import MNISTDataModule
@@ -66,6 +70,47 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.fsync(folder)  # the rename itself survives a power loss
         finally:
             os.close(folder)
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """Lightning's top-k checkpointing that survives a resume into another folder: the best
+    files so far are copied into this job's folder and tracked as if written there, so the
+    best score, the best file and the test of the best model match an uninterrupted run."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        old, new = state_dict.get("dirpath"), self.dirpath
+        best = state_dict.get("best_k_models", {})
+        if old and new and old != new and all(Path(path).is_file() for path in best):
+            moved = {path: str(Path(new) / Path(path).name) for path in best}
+            if rank_zero_only.rank == 0:
+                Path(new).mkdir(parents=True, exist_ok=True)
+                for source, target in moved.items():
+                    shutil.copy2(source, target)
+            state_dict = {
+                **state_dict,
+                "dirpath": new,
+                "best_k_models": {moved[path]: score for path, score in best.items()},
+                "best_model_path": moved.get(state_dict["best_model_path"], ""),
+                "kth_best_model_path": moved.get(state_dict["kth_best_model_path"], ""),
+                "last_model_path": "",
+            }
+        elif old and old != new:
+            rank_zero_warn(f"best checkpoints of {old} are gone; the best starts afresh")
+        super().load_state_dict(state_dict)
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """Writes ``last.ckpt`` at every epoch end (Lightning's ``save_last`` only writes when a
+    new best was saved). It has no state worth restoring: the file is always rewritten."""
+
+    def __init__(self, dirpath: Path) -> None:
+        super().__init__(
+            dirpath=dirpath, filename="last", enable_version_counter=False,
+            save_on_train_epoch_end=True,
+        )  # fmt: skip
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
 
 
 def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:
@@ -190,8 +235,9 @@ def compare_keys(
     """(unknown, missing without default, missing with default) keys of ``target``'s init."""
     parameters = dict(inspect.signature(target.__init__).parameters)
     parameters.pop("self")
-    if prefix == "net.":
-        parameters.pop("num_classes", None)  # passed by ImageClassifier, not stored under net
+    if prefix == "net.":  # set by the code (ImageClassifier, the image format), not config
+        for key in ("num_classes", "in_channels", "image_size"):
+            parameters.pop(key, None)
     unknown = [prefix + key for key in values if key not in parameters]
     absent = [key for key in parameters if key not in values]
     missing = [prefix + key for key in absent if parameters[key].default is inspect.Parameter.empty]

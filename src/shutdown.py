@@ -215,4 +215,3 @@ def watch_launcher(every_s: float) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
-

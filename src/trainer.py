@@ -6,7 +6,6 @@ from pathlib import Path
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import (
     Callback,
-    ModelCheckpoint,
     RichModelSummary,
     RichProgressBar,
     TQDMProgressBar,
@@ -14,7 +13,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpoint import AtomicCheckpointIO
+from src.checkpoint import AtomicCheckpointIO, BestCheckpoint, LastCheckpoint
 from src.data import per_device_batch_size
 from src.distributed import LogRankSetup, build_strategy, check_devices, use_sync_batchnorm
 from src.shutdown import StopOnSignal
@@ -35,7 +34,7 @@ def build_callbacks(cfg: DictConfig, fitting: bool) -> list[Callback]:
     ckpt_dir = Path(cfg.paths.output_dir) / "checkpoints"
     short_name = ckpt.monitor.rsplit("/", 1)[-1]  # val/acc -> epoch002-acc0.9176.ckpt
     # Both save at train-epoch end (after validation), the point a resume continues from.
-    best = ModelCheckpoint(
+    best = BestCheckpoint(
         dirpath=ckpt_dir,
         # Metric names contain "/", which would become folders if inserted automatically.
         filename=f"epoch{{epoch:03d}}-{short_name}{{{ckpt.monitor}:.4f}}",
@@ -45,13 +44,7 @@ def build_callbacks(cfg: DictConfig, fitting: bool) -> list[Callback]:
         save_top_k=ckpt.save_top_k,
         save_on_train_epoch_end=True,
     )
-    # A separate callback: Lightning's save_last only writes when a new best was saved.
-    last = ModelCheckpoint(
-        dirpath=ckpt_dir,
-        filename="last",
-        enable_version_counter=False,
-        save_on_train_epoch_end=True,
-    )
+    last = LastCheckpoint(dirpath=ckpt_dir)
     callbacks += [best, last]
     callbacks.append(RichModelSummary(max_depth=cfg.callbacks.model_summary_depth))
     return callbacks

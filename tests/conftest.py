@@ -2,10 +2,14 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.idx_data import make_dataset
@@ -60,6 +64,60 @@ def run_entry(
             f"src.{module} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         )
     return proc
+
+
+class Job:
+    """A training job running in the background, in its own session so nothing outlives it."""
+
+    def __init__(self, workdir: Path, *overrides: str) -> None:
+        self.run_dir = workdir / "run"
+        self.last = self.run_dir / "checkpoints" / "last.ckpt"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "src.train", *overrides, f"hydra.run.dir={self.run_dir}"],
+            cwd=workdir,
+            env={**os.environ, "PYTHONPATH": str(PROJECT)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        self.stderr = ""
+
+    def wait_for_checkpoint(self, ranks: int) -> list[psutil.Process]:
+        """Wait until last.ckpt exists; return the job's processes (launcher first)."""
+        deadline = time.monotonic() + 120
+        while not self.last.exists() and self.proc.poll() is None:
+            assert time.monotonic() < deadline, "training never reached the end of an epoch"
+            time.sleep(0.1)
+        assert self.proc.poll() is None, self.proc.communicate()[1][-3000:]
+        launcher = psutil.Process(self.proc.pid)
+        processes = [launcher, *launcher.children()]
+        assert len(processes) == ranks, processes
+        return processes
+
+    def wait(self, timeout: float) -> float:
+        """Seconds until the job exited (fails after ``timeout``)."""
+        start = time.monotonic()
+        _, self.stderr = self.proc.communicate(timeout=timeout)
+        return time.monotonic() - start
+
+    def kill_all(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def job_factory(tiny_root: Path, tmp_path: Path) -> Iterator:
+    jobs: list[Job] = []
+
+    def start(*overrides: str) -> Job:
+        jobs.append(Job(tiny_root, tmp_path, *overrides))
+        return jobs[-1]
+
+    yield start
+    for job in jobs:
+        job.kill_all()
 
 
 def read_metrics(run_dir: Path) -> dict[str, float]:

@@ -1,11 +1,9 @@
 """Ending early with real processes: stop signals, a killed rank, a killed launcher."""
 
-import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -16,7 +14,7 @@ from mlflow import MlflowClient
 from src.shutdown import run_lifecycle
 from src.tracking import build_loggers, log_config
 from src.trainer import build_trainer
-from tests.conftest import PROJECT, only_run, tiny_overrides
+from tests.conftest import PROJECT, only_run
 from tests.test_config import compose_config
 
 
@@ -35,61 +33,6 @@ def test_errors_fail_the_run_and_interrupts_kill_it(tmp_path: Path) -> None:
 
 
 # --- real jobs
-
-
-class Job:
-    """A training job running in the background, in its own session so nothing outlives it."""
-
-    def __init__(self, tiny_root: Path, workdir: Path, *overrides: str) -> None:
-        self.run_dir = workdir / "run"
-        self.last = self.run_dir / "checkpoints" / "last.ckpt"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "src.train", *tiny_overrides(tiny_root),
-             "trainer.max_epochs=500", f"hydra.run.dir={self.run_dir}", *overrides],
-            cwd=workdir,
-            env={**os.environ, "PYTHONPATH": str(PROJECT)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )  # fmt: skip
-        self.stderr = ""
-
-    def wait_for_checkpoint(self, ranks: int) -> list[psutil.Process]:
-        """Wait until last.ckpt exists; return the job's processes (launcher first)."""
-        deadline = time.monotonic() + 120
-        while not self.last.exists() and self.proc.poll() is None:
-            assert time.monotonic() < deadline, "training never reached the end of an epoch"
-            time.sleep(0.1)
-        assert self.proc.poll() is None, self.proc.communicate()[1][-3000:]
-        launcher = psutil.Process(self.proc.pid)
-        processes = [launcher, *launcher.children()]
-        assert len(processes) == ranks, processes
-        return processes
-
-    def wait(self, timeout: float) -> float:
-        """Seconds until the job exited (fails after ``timeout``)."""
-        start = time.monotonic()
-        _, self.stderr = self.proc.communicate(timeout=timeout)
-        return time.monotonic() - start
-
-    def kill_all(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-@pytest.fixture
-def job_factory(tiny_root: Path, tmp_path: Path) -> Iterator:
-    jobs: list[Job] = []
-
-    def start(*overrides: str) -> Job:
-        jobs.append(Job(tiny_root, tmp_path, *overrides))
-        return jobs[-1]
-
-    yield start
-    for job in jobs:
-        job.kill_all()
 
 
 def assert_gone(processes: list[psutil.Process]) -> None:
@@ -111,7 +54,7 @@ def assert_loadable(last: Path) -> None:
 def test_stop_signal_on_the_launcher_stops_every_rank(
     stop: signal.Signals, devices: int, job_factory, tmp_path: Path
 ) -> None:
-    job = job_factory("strategy=ddp", f"devices={devices}")
+    job = job_factory("strategy=ddp", f"devices={devices}", "trainer.max_epochs=500")
     processes = job.wait_for_checkpoint(ranks=devices)
     job.proc.send_signal(stop)  # the launcher only, as `kill` or a scheduler would
     job.wait(timeout=60)
@@ -127,7 +70,7 @@ def test_stop_signal_on_the_launcher_stops_every_rank(
 def test_killed_rank_fails_the_job_within_the_bound(job_factory, tmp_path: Path) -> None:
     watch_s, grace_s = 0.5, 5
     bound = [f"strategy.watch_s={watch_s}", f"strategy.exit_grace_s={grace_s}"]
-    job = job_factory("strategy=ddp", "devices=2", *bound)
+    job = job_factory("strategy=ddp", "devices=2", "trainer.max_epochs=500", *bound)
     processes = job.wait_for_checkpoint(ranks=2)
     rank1 = processes[1]
     rank1.send_signal(signal.SIGKILL)
@@ -144,7 +87,7 @@ def test_killed_rank_fails_the_job_within_the_bound(job_factory, tmp_path: Path)
 
 @pytest.mark.slow
 def test_killed_launcher_takes_no_rank_with_it(job_factory) -> None:
-    job = job_factory("strategy=ddp", "devices=2", "strategy.watch_s=0.5")
+    job = job_factory("strategy=ddp", "devices=2", "trainer.max_epochs=500", "strategy.watch_s=0.5")
     launcher, rank1 = job.wait_for_checkpoint(ranks=2)
     launcher.send_signal(signal.SIGKILL)
     rank1.wait(timeout=10)  # raises if rank 1 outlives its launcher by 10 s

@@ -16,6 +16,7 @@ from tests.conftest import (
     N_TRAIN,
     PROJECT,
     VAL_SIZE,
+    Job,
     only_run,
     read_metrics,
     run_entry,
@@ -156,10 +157,11 @@ def test_train_resumes_at_the_next_epoch_with_its_best_metric(
 
 
 def test_failing_run_is_marked_failed(tiny_root: Path, tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("a file where checkpoints should go")
     proc = run_entry(
         "train",
         *tiny_overrides(tiny_root),
-        f"ckpt_path={tmp_path / 'missing.ckpt'}",
         f"hydra.run.dir={tmp_path / 'run'}",
         cwd=tmp_path,
         check=False,
@@ -168,6 +170,99 @@ def test_failing_run_is_marked_failed(tiny_root: Path, tmp_path: Path) -> None:
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
     assert [run.info.status for run in runs] == ["FAILED"]
+
+
+# --- resuming after a crash: the same result as never stopping
+
+EPOCH_METRICS = ("train/loss", "train/acc", "train/lr", "val/loss", "val/acc", "val/acc_best")
+
+
+def history(store: Path) -> tuple[object, dict[str, list[tuple[int, float]]]]:
+    client, run = only_run(store)
+    return run, {
+        key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+        for key in EPOCH_METRICS
+    }
+
+
+def assert_same_tensors(actual: object, expected: object, where: str) -> None:
+    if isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=where)
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), where
+        for key in expected:
+            assert_same_tensors(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same_tensors(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, where
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_resume_after_a_kill_equals_an_uninterrupted_run(
+    devices: int, tiny_root: Path, tmp_path: Path
+) -> None:
+    overrides = [*tiny_overrides(tiny_root), "trainer.max_epochs=6", f"devices={devices}"]
+    overrides += ["strategy=ddp"] if devices > 1 else []
+    reference, crashed = tmp_path / "reference", tmp_path / "crashed"
+    reference.mkdir(), crashed.mkdir()
+    run_entry("train", *overrides, f"hydra.run.dir={reference / 'run'}", cwd=reference)
+
+    # The same job, its last rank process SIGKILLed as soon as a first last.ckpt exists.
+    job = Job(crashed, *overrides)
+    try:
+        job.wait_for_checkpoint(ranks=devices)[-1].kill()
+        job.wait(timeout=60)
+    finally:
+        job.kill_all()
+    stopped_at = torch.load(job.last, weights_only=True)["epoch"]
+    assert stopped_at < 5, "the kill came too late to leave anything to resume"
+    run_entry(
+        "train",
+        *overrides,
+        f"ckpt_path={job.last}",
+        f"hydra.run.dir={crashed / 'resumed'}",
+        cwd=crashed,
+    )
+
+    expected = torch.load(reference / "run/checkpoints/last.ckpt", weights_only=True)
+    resumed = torch.load(crashed / "resumed/checkpoints/last.ckpt", weights_only=True)
+    for part in ("epoch", "global_step", "state_dict", "optimizer_states", "lr_schedulers"):
+        assert_same_tensors(resumed[part], expected[part], part)  # incl. val_acc_best's state
+    expected_metrics = read_metrics(reference / "run")
+    for name, value in read_metrics(crashed / "resumed").items():
+        assert value == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-6), name
+
+    # One MLflow run, continued: every epoch once, with the uninterrupted run's values.
+    _, expected_history = history(reference / "mlflow.db")
+    run, resumed_history = history(crashed / "mlflow.db")
+    assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
+    assert "ckpt_path: None -> " in run.data.tags["resume.1.changed_params"]
+    for key, points in expected_history.items():
+        assert [step for step, _ in resumed_history[key]] == list(range(6)), key
+        values = [value for _, value in resumed_history[key]]
+        assert values == pytest.approx([v for _, v in points], rel=1e-5, abs=1e-6), key
+
+
+def test_resume_starts_a_new_run_when_asked(tiny_root: Path, tmp_path: Path) -> None:
+    overrides = [*tiny_overrides(tiny_root), "trainer.max_epochs=1"]
+    run_entry("train", *overrides, f"hydra.run.dir={tmp_path / 'first'}", cwd=tmp_path)
+    run_entry(
+        "train",
+        *tiny_overrides(tiny_root),
+        f"ckpt_path={tmp_path / 'first/checkpoints/last.ckpt'}",
+        "logger.continue_run=false",
+        f"hydra.run.dir={tmp_path / 'second'}",
+        cwd=tmp_path,
+    )
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+    assert [run.info.status for run in runs] == ["FINISHED", "FINISHED"]
+    second = next(run for run in runs if run.data.tags["hydra.output_dir"].endswith("second"))
+    steps = [m.step for m in client.get_metric_history(second.info.run_id, "val/acc")]
+    assert steps == [1], "the new run holds the epochs trained after the checkpoint"
 
 
 def test_missing_data_is_one_short_error(tmp_path: Path) -> None:

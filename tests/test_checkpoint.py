@@ -1,0 +1,129 @@
+"""Checkpoint writing, checking and loading; per-step seeding."""
+
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from src.checkpoint import (
+    AtomicCheckpointIO,
+    CheckpointError,
+    SeedEachBatch,
+    check_fits,
+    load_for_inference,
+    read_checkpoint,
+)
+from src.model import ImageClassifier
+
+NET = {"channels": [8, 16], "hidden": 32, "dropout": 0.25, "batch_norm": True}
+
+
+def training_checkpoint(model: ImageClassifier, **extra: object) -> dict:
+    """What Lightning saves for a model, reduced to the parts these checks read."""
+    return {
+        "state_dict": model.state_dict(),
+        "hyper_parameters": dict(model.hparams),
+        "datamodule_hyper_parameters": {"name": "mnist"},
+        "optimizer_states": [],
+        "loops": {},
+        **extra,
+    }
+
+
+def test_atomic_write_keeps_the_previous_file_when_saving_fails(tmp_path: Path) -> None:
+    io, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
+    io.save_checkpoint({"epoch": 1}, path)
+    with pytest.raises(Exception, match="pickle"):
+        io.save_checkpoint({"epoch": 2, "broken": lambda: None}, path)  # fails mid-write
+    assert torch.load(path, weights_only=True) == {"epoch": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"], "no temporary file left"
+
+
+def test_atomic_write_stays_in_the_checkpoint_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning's default stages the file in the temp folder and moves it: a copy, not an
+    # atomic rename, when that folder is on another filesystem. Ours never touches it.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-temp-folder"))
+    AtomicCheckpointIO().save_checkpoint({"epoch": 3}, tmp_path / "ckpts" / "last.ckpt")
+    assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True) == {"epoch": 3}
+
+
+def test_read_checkpoint_refuses_what_is_not_one(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no such file"):
+        read_checkpoint(str(tmp_path / "missing.ckpt"))
+    (tmp_path / "notes.ckpt").write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match="is not a readable checkpoint"):
+        read_checkpoint(str(tmp_path / "notes.ckpt"))
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "plain.pt")
+    with pytest.raises(CheckpointError, match="not a Lightning checkpoint"):
+        read_checkpoint(str(tmp_path / "plain.pt"))
+
+
+def test_a_checkpoint_of_another_shape_names_the_layer_and_the_keys() -> None:
+    saved = training_checkpoint(ImageClassifier(net=NET, lr=0.1))
+    other = ImageClassifier(net={**NET, "channels": [4, 16]}, lr=0.1)
+    with pytest.raises(CheckpointError) as error:
+        check_fits(saved, other, "mnist", "last.ckpt")
+    assert str(error.value) == (
+        "last.ckpt does not fit this model: layer net.features.0.weight is (8, 1, 3, 3) in the "
+        "checkpoint but (4, 1, 3, 3) in this model; the checkpoint was trained with "
+        "model.net.channels=[8, 16] (here [4, 16])"
+    )
+
+
+def test_resuming_needs_a_full_checkpoint_of_the_same_dataset() -> None:
+    model = ImageClassifier(net=NET, lr=0.1)
+    with pytest.raises(CheckpointError, match="trained on mnist but data=fashion_mnist"):
+        check_fits(training_checkpoint(model), model, "fashion_mnist", "last.ckpt")
+    weights_only = training_checkpoint(model)
+    del weights_only["optimizer_states"]
+    with pytest.raises(CheckpointError, match="holds weights only and cannot resume"):
+        check_fits(weights_only, model, "mnist", "last.ckpt")
+
+
+def test_checkpoint_of_an_older_config_loads_with_todays_defaults(tmp_path: Path) -> None:
+    trained = ImageClassifier(net=NET, lr=0.1)
+    saved = training_checkpoint(trained)
+    del saved["hyper_parameters"]["channels_last"]  # keys added after it was written
+    del saved["hyper_parameters"]["net"]["dropout"]
+    del saved["state_dict"]["val_acc_best.max_value"]  # a metric state it predates
+    torch.save(saved, tmp_path / "old.ckpt")
+    data = OmegaConf.create({"name": "mnist", "root": str(tmp_path), "download": False})
+    data.update(batch_size=8, val_size=2)
+    with pytest.warns(UserWarning, match=r"predates config keys channels_last=False, net.dropou"):
+        model, _, _ = load_for_inference(str(tmp_path / "old.ckpt"), data)
+    for name, tensor in trained.net.state_dict().items():
+        assert torch.equal(model.net.state_dict()[name], tensor)
+
+
+def test_checkpoint_with_keys_this_code_does_not_know_names_them(tmp_path: Path) -> None:
+    saved = training_checkpoint(ImageClassifier(net=NET, lr=0.1))
+    saved["hyper_parameters"]["net"]["activation"] = "gelu"  # from a newer or forked version
+    del saved["hyper_parameters"]["lr"]
+    torch.save(saved, tmp_path / "new.ckpt")
+    data = OmegaConf.create({"name": "mnist"})
+    with pytest.raises(CheckpointError) as error:
+        load_for_inference(str(tmp_path / "new.ckpt"), data)
+    assert "keys this code does not know: net.activation; keys it lacks: lr" in str(error.value)
+
+
+def dropout_draws(seeding: SeedEachBatch, epoch: int, batch: int, rank: int) -> torch.Tensor:
+    trainer = SimpleNamespace(current_epoch=epoch, global_rank=rank)
+    seeding.on_train_batch_start(trainer, None, None, batch)
+    return torch.nn.functional.dropout(torch.ones(64), p=0.5)
+
+
+def test_each_step_draws_from_its_own_seed() -> None:
+    seeding = SeedEachBatch(seed=7)
+    first = dropout_draws(seeding, epoch=1, batch=3, rank=0)
+    torch.rand(1000)  # whatever ran in between (validation, another epoch) does not matter
+    assert torch.equal(dropout_draws(seeding, epoch=1, batch=3, rank=0), first)
+    assert not torch.equal(dropout_draws(seeding, epoch=1, batch=3, rank=1), first)
+    assert not torch.equal(dropout_draws(seeding, epoch=1, batch=4, rank=0), first)
+    restored = SeedEachBatch(seed=0)
+    restored.load_state_dict(seeding.state_dict())  # the seed travels in the checkpoint
+    assert torch.equal(dropout_draws(restored, epoch=1, batch=3, rank=0), first)
