@@ -141,16 +141,20 @@ def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:
 def check_fits(saved: Mapping[str, Any], model: ImageClassifier, data_name: str, path: str) -> None:
     """Refuse to resume from a checkpoint of another dataset, network or kind (weights only)."""
     name = Path(path).name
-    trained_on = saved.get("datamodule_hyper_parameters", {}).get("name")
-    if trained_on and trained_on != data_name:
-        raise CheckpointError(
-            f"{name} was trained on {trained_on} but data={data_name}; add data={trained_on}"
-        )
+    check_dataset(saved, data_name, name)
     check_weights_fit(saved, model.state_dict(), name, model.hparams)
     if "optimizer_states" not in saved or "loops" not in saved:
         raise CheckpointError(
             f"{name} holds weights only and cannot resume training; evaluate it with src.eval "
             "or resume from a last.ckpt"
+        )
+
+
+def check_dataset(saved: Mapping[str, Any], data_name: str, name: str) -> None:
+    trained_on = saved.get("datamodule_hyper_parameters", {}).get("name")
+    if trained_on and trained_on != data_name:
+        raise CheckpointError(
+            f"{name} was trained on {trained_on} but data={data_name}; add data={trained_on}"
         )
 
 
@@ -259,11 +263,7 @@ def load_for_inference(
     """
     saved = read_checkpoint(ckpt_path)
     name = Path(ckpt_path).name
-    trained_on = saved.get("datamodule_hyper_parameters", {}).get("name")
-    if trained_on and trained_on != data.name:
-        raise CheckpointError(
-            f"{name} was trained on {trained_on} but data={data.name}; add data={trained_on}"
-        )
+    check_dataset(saved, data.name, name)
     return model_from_checkpoint(saved, name), MNISTDataModule(**data), saved.get("mlflow")
 
 

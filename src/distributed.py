@@ -125,7 +125,11 @@ class WatchedDDPStrategy(DDPStrategy):
 
 
 class WatchedLauncher(_SubprocessScriptLauncher):
-    """Starts ranks 1..N-1 like Lightning (re-running the command), then watches them."""
+    """Starts ranks 1..N-1 like Lightning (re-running the command), then watches them.
+
+    Lightning has no public hook for this: it subclasses its private launcher, whose ``launch``
+    it mirrors minus the observer. Lightning is pinned; re-check on upgrades (the fault tests
+    in ``tests/test_shutdown.py`` fail if it breaks)."""
 
     watch_s: float = 1.0
     exit_grace_s: float = 10.0

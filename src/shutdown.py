@@ -71,7 +71,8 @@ class StopOnSignal(Callback):
     def _stop_if_requested(self, trainer: L.Trainer) -> None:
         if trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False):
             self._deferring = False
-            raise KeyboardInterrupt((self.requested or signal.SIGTERM).name)
+            self.requested = self.requested or signal.SIGTERM  # another rank was asked
+            raise KeyboardInterrupt(self.requested.name)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self._stop_if_requested(trainer)

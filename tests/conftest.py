@@ -112,7 +112,7 @@ def job_factory(tiny_root: Path, tmp_path: Path) -> Iterator:
     jobs: list[Job] = []
 
     def start(*overrides: str) -> Job:
-        jobs.append(Job(tiny_root, tmp_path, *overrides))
+        jobs.append(Job(tmp_path, *tiny_overrides(tiny_root), *overrides))
         return jobs[-1]
 
     yield start

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import N_TEST, VAL_SIZE, only_run, read_metrics, run_entry
 
@@ -84,3 +85,24 @@ def test_eval_without_checkpoint_says_what_to_pass(tmp_path: Path) -> None:
     proc = run_entry("eval", "logger=none", cwd=tmp_path, check=False)
     assert proc.returncode != 0
     assert "ckpt_path is required" in proc.stderr
+
+
+def test_eval_loads_a_checkpoint_written_before_newer_config_keys(
+    trained: dict[str, Path], tiny_root: Path, tmp_path: Path
+) -> None:
+    saved = torch.load(best_checkpoint(trained["run_dir"]), weights_only=True)
+    del saved["hyper_parameters"]["channels_last"]  # as if written before the key existed
+    del saved["hyper_parameters"]["net"]["batch_norm"]  # default True: what it was trained with
+    torch.save(saved, tmp_path / "old.ckpt")
+    proc = run_entry(
+        "eval",
+        f"ckpt_path={tmp_path / 'old.ckpt'}",
+        f"data.root={tiny_root}",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'eval'}",
+        cwd=tmp_path,
+    )
+    warning = "old.ckpt predates config keys channels_last=False, net.batch_norm=True"
+    assert warning in " ".join(proc.stderr.split())
+    metrics = read_metrics(tmp_path / "eval")
+    assert metrics["test/acc"] == read_metrics(trained["run_dir"])["test/acc"]

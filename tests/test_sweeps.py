@@ -55,14 +55,15 @@ def test_ddp_sweep_runs_every_job_once_with_its_own_world(tiny_root: Path, tmp_p
 
 def test_failed_sweep_job_is_reported_and_the_next_runs(tiny_root: Path, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "0" / "checkpoints").write_text("a file where job 0's checkpoints should go")
     proc = run_entry(
-        "train", "-m", *sweep_overrides(tiny_root, sweep), "model.lr=0.01",
-        "strategy=ddp", "devices=2", f"ckpt_path={tmp_path / 'missing.ckpt'},null",
-        cwd=tmp_path, check=False,
+        "train", "-m", *sweep_overrides(tiny_root, sweep), "model.lr=0.01,0.02",
+        "strategy=ddp", "devices=2", cwd=tmp_path, check=False,
     )  # fmt: skip
     assert proc.returncode != 0
     assert "sweep job 0 exited with code 1" in proc.stderr
-    assert "Checkpoint file not found" in proc.stderr
+    assert f"File exists: '{sweep / '0' / 'checkpoints'}'" in proc.stderr
     runs = runs_by_job(tmp_path / "mlflow.db")
     assert runs[0].info.status == "FAILED" and runs[1].info.status == "FINISHED"
     assert (sweep / "1" / "metrics.json").is_file()
