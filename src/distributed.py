@@ -18,7 +18,7 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -93,12 +93,13 @@ class GlobalBatchSampler(DistributedSampler):
         return self.num_samples
 
 
-def build_strategy(cfg: DictConfig) -> str | Strategy:
-    """``strategy=auto`` → Lightning's choice; ``strategy=ddp`` → one process per device.
+def build_strategy(cfg: DictConfig, processes: int) -> str | Strategy:
+    """``strategy=ddp``, or ``auto`` asked for several processes → one process per device,
+    watched (:class:`WatchedDDPStrategy`); ``auto`` for one process → Lightning's choice.
 
     The process group backend defaults to the accelerator's (nccl on GPU, gloo on CPU).
     """
-    if cfg.name != "ddp":
+    if cfg.name not in ("ddp", "auto") or (cfg.name == "auto" and processes <= 1):
         return cfg.name
     return WatchedDDPStrategy(
         watch_s=cfg.watch_s,
@@ -107,6 +108,18 @@ def build_strategy(cfg: DictConfig) -> str | Strategy:
         find_unused_parameters=cfg.find_unused_parameters,
         timeout=timedelta(seconds=cfg.timeout_s),
     )
+
+
+def requested_processes(accelerator: str, devices: Any, num_nodes: int) -> int:
+    """How many processes ``devices`` x ``num_nodes`` asks for, before Lightning resolves it."""
+    if isinstance(devices, int) and devices > 0:
+        per_node = devices
+    elif isinstance(devices, Sequence) and not isinstance(devices, str):
+        per_node = len(devices)  # a list of device indices
+    else:  # "auto" or -1: every GPU there is, else one process
+        on_gpu = accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+        per_node = torch.cuda.device_count() if on_gpu else 1
+    return per_node * num_nodes
 
 
 class WatchedDDPStrategy(DDPStrategy):

@@ -15,7 +15,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint import AtomicCheckpointIO, BestCheckpoint, LastCheckpoint
 from src.data import per_device_batch_size
-from src.distributed import LogRankSetup, build_strategy, check_devices, use_sync_batchnorm
+from src.distributed import (
+    LogRankSetup,
+    build_strategy,
+    check_devices,
+    requested_processes,
+    use_sync_batchnorm,
+)
 from src.shutdown import StopOnSignal
 
 
@@ -55,11 +61,12 @@ def build_trainer(
 ) -> L.Trainer:
     """A Trainer for ``cfg``: hardware from the top-level keys, loop settings from ``trainer``."""
     check_devices(cfg.accelerator, cfg.devices)
+    processes = requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)
     trainer = L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
-        strategy=build_strategy(cfg.strategy),
+        strategy=build_strategy(cfg.strategy, processes),
         sync_batchnorm=fitting and use_sync_batchnorm(cfg),
         logger=loggers or False,
         callbacks=[*build_callbacks(cfg, fitting), *extra_callbacks],

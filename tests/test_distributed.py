@@ -17,7 +17,8 @@ import torch
 from mlflow import MlflowClient
 from torch.utils.data import TensorDataset
 
-from src.distributed import GlobalBatchSampler, UnpaddedSampler
+from src.distributed import GlobalBatchSampler, UnpaddedSampler, WatchedDDPStrategy
+from src.trainer import build_trainer
 from tests.conftest import (
     N_TEST,
     N_TRAIN,
@@ -27,6 +28,7 @@ from tests.conftest import (
     run_entry,
     tiny_overrides,
 )
+from tests.test_config import compose_config
 from tests.test_eval import best_checkpoint
 
 
@@ -80,6 +82,25 @@ def test_global_batch_sampler_refuses_a_batch_larger_than_the_data() -> None:
 # --- real multi-process jobs
 
 EVAL_BATCH = "data.batch_size=24"  # divides by 1, 2, 3 and 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "watched"),
+    [
+        (["strategy=ddp", "devices=2"], True),
+        (["devices=2"], True),  # strategy=auto asked for several processes: the same DDP
+        (["num_nodes=2"], True),
+        (["devices=1"], False),
+    ],
+)
+def test_several_processes_always_get_the_watched_ddp(
+    overrides: list[str], watched: bool, tmp_path: Path
+) -> None:
+    cfg = compose_config("train", ["logger=none", "strategy.timeout_s=60", *overrides], tmp_path)
+    strategy = build_trainer(cfg, [], fitting=False).strategy
+    assert isinstance(strategy, WatchedDDPStrategy) == watched
+    if watched:
+        assert strategy._timeout.total_seconds() == 60
 
 
 def evaluate(split: str, devices: int, ckpt: Path, data_root: Path, workdir: Path) -> dict:
