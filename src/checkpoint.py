@@ -205,18 +205,12 @@ def model_from_checkpoint(saved: Mapping[str, Any], name: str) -> ImageClassifie
     unknown, missing, defaulted = compare_keys(hparams, ImageClassifier, "")
     net_unknown, net_missing, net_defaulted = compare_keys(net, ConvNet, "net.")
     unknown, missing = unknown + net_unknown, missing + net_missing
-    if unknown or missing:
+    problems = [f"keys this code does not know: {', '.join(unknown)}"] if unknown else []
+    problems += [f"keys it lacks: {', '.join(missing)}"] if missing else []
+    if problems:
         raise CheckpointError(
-            f"{name} was saved by a different version of the model: "
-            + "; ".join(
-                part
-                for part in (
-                    f"keys this code does not know: {', '.join(unknown)}" if unknown else "",
-                    f"keys it lacks: {', '.join(missing)}" if missing else "",
-                )
-                if part
-            )
-            + ". Load it with the code version that wrote it (its git.commit tag in MLflow)"
+            f"{name} was saved by a different version of the model: {'; '.join(problems)}. "
+            "Load it with the code version that wrote it (its git.commit tag in MLflow)"
         )
     if defaulted + net_defaulted:
         warnings.warn(

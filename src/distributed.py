@@ -117,9 +117,13 @@ def requested_processes(accelerator: str, devices: Any, num_nodes: int) -> int:
     elif isinstance(devices, Sequence) and not isinstance(devices, str):
         per_node = len(devices)  # a list of device indices
     else:  # "auto" or -1: every GPU there is, else one process
-        on_gpu = accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
-        per_node = torch.cuda.device_count() if on_gpu else 1
+        per_node = torch.cuda.device_count() if uses_gpu(accelerator) else 1
     return per_node * num_nodes
+
+
+def uses_gpu(accelerator: str) -> bool:
+    """Whether ``accelerator`` means GPUs here: named, or ``auto`` on a machine that has one."""
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
 class WatchedDDPStrategy(DDPStrategy):
@@ -132,9 +136,10 @@ class WatchedDDPStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if type(self._launcher) is _SubprocessScriptLauncher:
-            env, processes, nodes = self.cluster_environment, self.num_processes, self.num_nodes
-            self._launcher = WatchedLauncher(env, processes, nodes)
-            self._launcher.watch_s, self._launcher.exit_grace_s = self.watch_s, self.exit_grace_s
+            self._launcher = WatchedLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes,
+                watch_s=self.watch_s, exit_grace_s=self.exit_grace_s,
+            )  # fmt: skip
 
 
 class WatchedLauncher(_SubprocessScriptLauncher):
@@ -144,8 +149,10 @@ class WatchedLauncher(_SubprocessScriptLauncher):
     it mirrors minus the observer. Lightning is pinned; re-check on upgrades (the fault tests
     in ``tests/test_shutdown.py`` fail if it breaks)."""
 
-    watch_s: float = 1.0
-    exit_grace_s: float = 10.0
+    def __init__(self, *args: Any, watch_s: float, exit_grace_s: float) -> None:
+        super().__init__(*args)
+        self.watch_s, self.exit_grace_s = watch_s, exit_grace_s
+        self.watching_launcher = False  # in a rank process: the launcher-watch thread runs
 
     def launch(self, function: Any, *args: Any, trainer: L.Trainer | None = None, **kw: Any) -> Any:
         self.cluster_environment.validate_settings(
@@ -158,9 +165,9 @@ class WatchedLauncher(_SubprocessScriptLauncher):
             first = self.cluster_environment.node_rank() * self.num_processes + 1
             watchdog = RankWatchdog(self.procs, first, trainer, self.watch_s, self.exit_grace_s)
             watchdog.start()
-        elif os.environ.get(LAUNCHER_PID_ENV, me) != me and not getattr(self, "_watching", 0):
+        elif os.environ.get(LAUNCHER_PID_ENV, me) != me and not self.watching_launcher:
             watch_launcher(self.watch_s)  # a rank process: leave if the launcher is gone
-            self._watching = True
+            self.watching_launcher = True
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kw)
 
@@ -173,8 +180,7 @@ def check_devices(accelerator: str, devices: int | str) -> None:
             f"accelerator={accelerator} but no GPU is visible here (torch.cuda.device_count() "
             "is 0); use accelerator=cpu or accelerator=auto"
         )
-    wants_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and available > 0)
-    if wants_gpu and isinstance(devices, int) and devices > available:
+    if uses_gpu(accelerator) and isinstance(devices, int) and devices > available:
         raise ConfigError(
             f"devices={devices} but this machine has {available} GPU(s); use devices={available} "
             "(and num_nodes=... for more machines) or accelerator=cpu"
@@ -185,12 +191,9 @@ def use_sync_batchnorm(cfg: DictConfig) -> bool:
     """``strategy.sync_batchnorm`` where it can apply; where it cannot, a warning, never a crash."""
     if not cfg.strategy.sync_batchnorm:
         return False
-    on_gpu = cfg.accelerator in ("gpu", "cuda") or (
-        cfg.accelerator == "auto" and torch.cuda.is_available()
-    )
     if not cfg.model.net.batch_norm:
         reason = "the model has no BatchNorm layers (model.net.batch_norm=false)"
-    elif not on_gpu:
+    elif not uses_gpu(cfg.accelerator):
         reason = (
             "torch's SyncBatchNorm runs on GPUs only; on CPU each rank keeps its own statistics"
         )

@@ -34,10 +34,15 @@ def short_errors(*expected: type[Exception]) -> Iterator[None]:
     try:
         yield
     except expected as error:
-        errors.print(f"[bold red]Error:[/] {error}", highlight=False, soft_wrap=True)
+        show_error(str(error))
         if in_multirun():
             raise  # Hydra records the failed job, runs the others, and reports it at the end
         raise SystemExit(1) from error
+
+
+def show_error(message: str) -> None:
+    """``Error: <message>`` on stderr, one line however long (no wrapping, no highlighting)."""
+    errors.print(f"[bold red]Error:[/] {message}", highlight=False, soft_wrap=True)
 
 
 class CheckOutputFolder(HydraCallback):
@@ -61,11 +66,9 @@ def check_writable(folder: Path) -> None:
         problem = f"{existing} is not writable"
     else:
         return
-    errors.print(
-        f"[bold red]Error:[/] output folder {folder} cannot be created: {problem}. Set "
-        "paths.log_dir=... (or hydra.run.dir=...) to a folder you can write to",
-        highlight=False,
-        soft_wrap=True,
+    show_error(
+        f"output folder {folder} cannot be created: {problem}. Set paths.log_dir=... "
+        "(or hydra.run.dir=...) to a folder you can write to"
     )
     raise SystemExit(1)
 

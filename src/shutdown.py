@@ -92,7 +92,7 @@ class RankFailed(RuntimeError):
 
 def dead_ranks(trainer: L.Trainer, wait_s: float = 1.0) -> list[str]:
     """The rank processes this (launching) process started that have died, described."""
-    procs = getattr(trainer.strategy.launcher, "procs", None) or []
+    procs = rank_processes(trainer)
     first = trainer.node_rank * trainer.num_devices + 1
     deadline = time.monotonic() + wait_s  # a rank's sockets close just before it is reaped
     while procs and all(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
@@ -131,7 +131,7 @@ def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
         if killed:
             raise SystemExit(stop.exit_code) from error
         if dead := dead_ranks(trainer):
-            kill_ranks(trainer)
+            kill(rank_processes(trainer))
             raise RankFailed(f"{'; '.join(dead)}. The job stopped.") from error
         raise
     finally:
@@ -139,9 +139,18 @@ def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def kill_ranks(trainer: L.Trainer) -> None:
+def stop_requested(trainer: L.Trainer) -> bool:
+    return any(c.requested for c in trainer.callbacks if isinstance(c, StopOnSignal))
+
+
+def rank_processes(trainer: L.Trainer) -> list[subprocess.Popen]:
+    """The rank processes this process launched (none in a rank process or under torchrun)."""
+    return getattr(trainer.strategy.launcher, "procs", None) or []
+
+
+def kill(procs: list[subprocess.Popen]) -> None:
     """Kill the rank processes still running: only rank 0 writes checkpoints and runs."""
-    for proc in getattr(trainer.strategy.launcher, "procs", None) or []:
+    for proc in procs:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -166,15 +175,11 @@ class RankWatchdog(threading.Thread):
         self.procs, self.first_rank, self.trainer = procs, first_rank, trainer
         self.every_s, self.grace_s = every_s, grace_s
 
-    def _stopping(self) -> bool:
-        stop = next((c for c in self.trainer.callbacks if isinstance(c, StopOnSignal)), None)
-        return stop is not None and stop.requested is not None
-
     def run(self) -> None:
         while True:
             time.sleep(self.every_s)
             codes = [proc.poll() for proc in self.procs]
-            if all(code == 0 for code in codes) or self._stopping():
+            if all(code == 0 for code in codes) or stop_requested(self.trainer):
                 return  # finished, or stopping on request: the main thread ends the job
             failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
             if failed:
@@ -195,9 +200,7 @@ class RankWatchdog(threading.Thread):
         )
         for logger in self.trainer.loggers:
             logger.finalize("failed")
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
+        kill(self.procs)
         os._exit(1)
 
 
