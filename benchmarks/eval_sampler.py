@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from src.data import MNISTDataModule, keep_batch
+from src.distributed import job_scope
 from src.model import ImageClassifier
 
 
@@ -47,4 +48,7 @@ def main(root: str, name: str, devices: int, sampler: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    # job_scope destroys the process group before exit: left to interpreter shutdown, gloo
+    # can abort a rank ("terminate called without an active exception"), failing the run.
+    with job_scope():
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
