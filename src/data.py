@@ -126,12 +126,17 @@ def _missing(raw: Path) -> list[str]:
     return [name for name in FILES if _find(raw, name) is None]
 
 
-def _offline_message(raw: Path, detail: str = "") -> str:
+def _offline_message(raw: Path, download: bool, detail: str = "") -> str:
     names = ", ".join(f"{n}.gz" for n in FILES)
+    way_out = (
+        "or check this machine's internet access (the download was tried)"
+        if download
+        else "or set data.download=true to fetch them from the public mirrors"
+    )
     return (
         f"MNIST-format data not found in {raw} (need {names}; extracted files work too). "
         f"Fix: set data.root=... to a folder containing {raw.parent.name}/raw/ with these files, "
-        "or connect to the internet and set data.download=true." + (f"\n{detail}" if detail else "")
+        f"{way_out}." + (f" {detail}" if detail else "")
     )
 
 
@@ -142,7 +147,7 @@ def load_split(root: Path, spec: DatasetSpec, train: bool) -> tuple[Tensor, Tens
     image_file = _find(raw, f"{prefix}-images-idx3-ubyte")
     label_file = _find(raw, f"{prefix}-labels-idx1-ubyte")
     if image_file is None or label_file is None:
-        raise DataError(_offline_message(raw))
+        raise DataError(_offline_message(raw, download=False))
     images, labels = read_idx(image_file, 3), read_idx(label_file, 1)
     if images.shape[1:] != (28, 28):
         raise DataError(f"{image_file}: images are {images.shape[1:]}, expected 28x28")
@@ -183,11 +188,13 @@ def _fetch(url: str, dest: Path, md5: str, progress: Progress) -> None:
 
 
 def download(root: Path, spec: DatasetSpec) -> None:
-    """Fetch only the missing files, trying each mirror in order; never leaves partial files."""
+    """Fetch only the missing files, trying each mirror in order; never leaves partial files,
+    nor folders it created when nothing could be fetched."""
     raw = Path(root) / spec.folder / "raw"
     missing = _missing(raw)
     if not missing:
         return
+    created = [folder for folder in (raw, raw.parent, Path(root)) if not folder.exists()]
     raw.mkdir(parents=True, exist_ok=True)
     columns = (
         TextColumn("{task.description}"),
@@ -195,19 +202,27 @@ def download(root: Path, spec: DatasetSpec) -> None:
         DownloadColumn(),
         TransferSpeedColumn(),
     )
-    with Progress(*columns) as progress:
-        for name in missing:
-            gz = f"{name}.gz"
-            last_error = "no mirrors configured"
-            for mirror in spec.mirrors:
-                try:
-                    _fetch(mirror + gz, raw / gz, spec.md5[gz], progress)
-                    break
-                except (OSError, ValueError, http.client.HTTPException) as e:
-                    last_error = f"{mirror + gz}: {type(e).__name__}: {e}"
-            else:
-                detail = f"Download failed from {', '.join(spec.mirrors)}; last error: {last_error}"
-                raise DataError(_offline_message(raw, detail))
+    try:
+        with Progress(*columns) as progress:
+            for name in missing:
+                _fetch_from_mirrors(f"{name}.gz", raw, spec, progress)
+    except DataError:
+        for folder in created:  # innermost first; only if still empty
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
+
+
+def _fetch_from_mirrors(gz: str, raw: Path, spec: DatasetSpec, progress: Progress) -> None:
+    last_error = "no mirrors configured"
+    for mirror in spec.mirrors:
+        try:
+            _fetch(mirror + gz, raw / gz, spec.md5[gz], progress)
+            return
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            last_error = f"{mirror + gz}: {type(e).__name__}: {e}"
+    detail = f"Download failed from {', '.join(spec.mirrors)}; last error: {last_error}"
+    raise DataError(_offline_message(raw, download=True, detail=detail))
 
 
 # --- datasets
@@ -262,8 +277,14 @@ class ImageBatches(Dataset):
 # --- data module
 
 
-def per_device_batch_size(global_batch: int, world_size: int) -> int:
-    """The configured batch size is global so results don't change with the device count."""
+def per_device_batch_size(global_batch: int, world_size: int, training: bool = True) -> int:
+    """The configured batch size is global so results don't change with the device count.
+
+    Training needs equal shares of every global batch; evaluation splits the data by samples,
+    so there each device takes up to ``ceil(batch_size / world_size)`` samples at a time.
+    """
+    if global_batch > 0 and not training:
+        return -(-global_batch // world_size)
     if global_batch <= 0 or global_batch % world_size:
         nearest = max(world_size, round(global_batch / world_size) * world_size)
         raise DataError(
@@ -321,12 +342,14 @@ class MNISTDataModule(LightningDataModule):
         raw = self.raw_folder
         if _missing(raw):
             if not self.hparams.download:
-                raise DataError(_offline_message(raw))
+                raise DataError(_offline_message(raw, download=False))
             download(self.root, self.spec)
 
     def setup(self, stage: str | None = None) -> None:
         world = self.trainer.world_size if self.trainer is not None else 1
-        self.per_device_batch_size = per_device_batch_size(self.hparams.batch_size, world)
+        self.per_device_batch_size = per_device_batch_size(
+            self.hparams.batch_size, world, training=stage in (None, "fit")
+        )
         self.load(stage)
 
     def load(self, stage: str | None = None) -> None:

@@ -172,13 +172,39 @@ class WatchedLauncher(_SubprocessScriptLauncher):
         return function(*args, **kw)
 
 
-def check_devices(accelerator: str, devices: int | str) -> None:
-    """Asking for more GPUs than this machine has fails now, saying how many it has."""
+def check_devices(accelerator: str, devices: Any, num_nodes: Any) -> None:
+    """Device and node counts Lightning cannot take, or more GPUs than this machine has, fail
+    now in this project's words (Lightning's own errors name its internals)."""
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ConfigError(
+            f"num_nodes={num_nodes} is not valid: it is the number of machines taking part; "
+            "use num_nodes=1 (this machine) or more"
+        )
+    gpu_indices = isinstance(devices, Sequence) and not isinstance(devices, str)
+    if gpu_indices:
+        valid = len(devices) > 0 and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in devices
+        )
+    else:
+        valid = devices in ("auto", -1) or (
+            isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1
+        )
+    if not valid:
+        raise ConfigError(
+            f"devices={devices} is not valid: use devices=N for N processes per machine "
+            "(N >= 1, on CPU or one per GPU), devices=auto (every GPU, else 1 process) or GPU "
+            "indices such as devices=[0,1]"
+        )
     available = torch.cuda.device_count()
     if accelerator in ("gpu", "cuda") and available == 0:
         raise ConfigError(
             f"accelerator={accelerator} but no GPU is visible here (torch.cuda.device_count() "
             "is 0); use accelerator=cpu or accelerator=auto"
+        )
+    if gpu_indices and not uses_gpu(accelerator):
+        raise ConfigError(
+            f"devices={list(devices)} lists GPU indices but no GPU is used here; "
+            f"use devices={len(devices)} for {len(devices)} processes on the CPU"
         )
     if uses_gpu(accelerator) and isinstance(devices, int) and devices > available:
         raise ConfigError(
@@ -230,6 +256,10 @@ class LogRankSetup(Callback):
             log.info("rank %d/%d: val/acc_best %.6f", trainer.global_rank, trainer.world_size, best)
 
 
+class SweepJobFailed(RuntimeError):
+    """A sweep's DDP job, run as its own process tree, failed (it printed why)."""
+
+
 SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep id>/<job number>" for a sweep's DDP job
 
 
@@ -259,7 +289,7 @@ def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:
     )
     code = subprocess.run(command, env=env).returncode
     if code != 0:
-        raise RuntimeError(f"sweep job {hydra.job.num} exited with code {code}; see {out}")
+        raise SweepJobFailed(f"sweep job {hydra.job.num} exited with code {code}; see {out}")
     return json.loads((out / "metrics.json").read_text()).get(optimized_metric)
 
 

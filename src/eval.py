@@ -13,13 +13,16 @@ from omegaconf import DictConfig
 
 from src import reporting, tracking
 from src.checkpoint import CheckpointError, load_for_inference
-from src.data import DataError
+from src.config import check_keys, run_entry_point
+from src.data import DataError, MNISTDataModule
 from src.distributed import job_scope
 from src.shutdown import RankFailed, run_lifecycle
-from src.trainer import build_trainer
+from src.trainer import build_trainer, check_settings
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
+    check_settings(cfg, fitting=False)
+    check_keys("data", cfg.data, MNISTDataModule)
     reporting.show_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
     model, datamodule, source = load_for_inference(cfg.ckpt_path, cfg.data)
@@ -36,12 +39,15 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+# Errors that mean bad input or a failed rank: shown as one line, no traceback.
+EXPECTED = (DataError, CheckpointError, tracking.TrackingError, ConfigError, RankFailed)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> dict[str, float]:
-    expected = (DataError, CheckpointError, tracking.TrackingError, ConfigError, RankFailed)
-    with reporting.short_errors(*expected), job_scope():
+    with reporting.short_errors(*EXPECTED), job_scope():
         return evaluate(cfg)
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(main, EXPECTED)

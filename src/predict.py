@@ -13,12 +13,15 @@ from omegaconf import DictConfig
 
 from src import reporting, tracking
 from src.checkpoint import CheckpointError, load_for_inference
-from src.data import DataError
+from src.config import check_keys, run_entry_point
+from src.data import DataError, MNISTDataModule
 from src.distributed import job_scope
-from src.trainer import build_trainer
+from src.trainer import build_trainer, check_settings
 
 
 def predict(cfg: DictConfig) -> Path:
+    check_settings(cfg, fitting=False)
+    check_keys("data", cfg.data, MNISTDataModule)
     reporting.show_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
     model, datamodule, source = load_for_inference(cfg.ckpt_path, cfg.data)
@@ -34,11 +37,15 @@ def predict(cfg: DictConfig) -> Path:
     return writer.path
 
 
+# Errors that mean bad input: shown as one line, no traceback.
+EXPECTED = (DataError, CheckpointError, ConfigError)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="predict")
 def main(cfg: DictConfig) -> Path:
-    with reporting.short_errors(DataError, CheckpointError, ConfigError), job_scope():
+    with reporting.short_errors(*EXPECTED), job_scope():
         return predict(cfg)
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(main, EXPECTED)

@@ -4,6 +4,7 @@ the results table and ``metrics.json`` at the end. Rank 0 only."""
 import csv
 import json
 import os
+import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback as HydraCallback
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_only
@@ -30,13 +32,18 @@ errors = Console(stderr=True)
 @contextmanager
 def short_errors(*expected: type[Exception]) -> Iterator[None]:
     """Show expected errors (bad data, a wrong checkpoint path) as their one-line message and
-    exit 1, instead of a traceback through Lightning and Hydra; anything else still raises."""
+    exit 1, instead of a traceback through Lightning and Hydra; anything else still raises.
+
+    A single run that fails this way leaves no output folder behind that holds only Hydra's
+    record of the attempt (see :func:`remove_attempt_record`).
+    """
     try:
         yield
     except expected as error:
         show_error(str(error))
         if in_multirun():
             raise  # Hydra records the failed job, runs the others, and reports it at the end
+        remove_attempt_record()
         raise SystemExit(1) from error
 
 
@@ -45,15 +52,41 @@ def show_error(message: str) -> None:
     errors.print(f"[bold red]Error:[/] {message}", highlight=False, soft_wrap=True)
 
 
+_created_by_this_job: Path | None = None  # the top-most output folder this run created
+
+
 class CheckOutputFolder(HydraCallback):
     """Hydra creates the job's output folder before the job starts, and where it cannot, ends in
-    a traceback. This says so in one line, with the fix, before anything is written."""
+    a traceback. This says so in one line, with the fix, before anything is written; and it
+    notes which folders the run is about to create, for :func:`remove_attempt_record`."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        check_writable(Path(config.hydra.run.dir))
+        global _created_by_this_job
+        folder = Path(config.hydra.run.dir).absolute()
+        check_writable(folder)
+        _created_by_this_job = None
+        while not folder.exists():
+            _created_by_this_job, folder = folder, folder.parent
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         check_writable(Path(config.hydra.sweep.dir))
+
+
+def remove_attempt_record() -> None:
+    """Delete the folders this run created if all they hold is Hydra's record of the attempt
+    (``.hydra/``, the job's log) and ``config.yaml``: a job refused before any work leaves
+    nothing behind. A folder that existed before the run, or holds anything else, is kept."""
+    created = _created_by_this_job
+    if created is None or rank_zero_only.rank != 0 or not HydraConfig.initialized():
+        return
+    hydra = HydraConfig.get()
+    out = Path(hydra.runtime.output_dir)
+    record = {out / "config.yaml", out / f"{hydra.job.name}.log"}
+    files = [path for path in created.rglob("*") if not path.is_dir()]
+    if out.is_relative_to(created) and all(
+        path in record or path.is_relative_to(out / ".hydra") for path in files
+    ):
+        shutil.rmtree(created, ignore_errors=True)
 
 
 def check_writable(folder: Path) -> None:
@@ -95,7 +128,7 @@ def report_metrics(metrics: Mapping[str, float], output_dir: str | Path) -> None
     console.print(table)
     path = Path(output_dir) / "metrics.json"
     path.write_text(json.dumps(dict(sorted(metrics.items())), indent=2) + "\n")
-    console.print(f"metrics written to {path}")
+    console.print(f"metrics written to {path}", soft_wrap=True)
 
 
 class PredictionWriter(BasePredictionWriter):
@@ -146,7 +179,7 @@ def write_predictions(columns: Mapping[str, torch.Tensor], path: Path) -> dict[s
         confidences = (f"{c:.6f}" for c in confidence.tolist())
         rows = zip(index.tolist(), label.tolist(), predicted.tolist(), confidences, strict=True)
         writer.writerows(rows)
-    console.print(f"predictions written to {path}")
+    console.print(f"predictions written to {path}", soft_wrap=True)
     return {
         "predict/samples": float(len(index)),
         "predict/acc": (predicted == label).double().mean().item(),

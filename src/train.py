@@ -12,15 +12,26 @@ from omegaconf import DictConfig, OmegaConf
 
 from src import checkpoint, reporting, tracking
 from src.checkpoint import CheckpointError
+from src.config import check_keys, run_entry_point
 from src.data import DataError, MNISTDataModule
-from src.distributed import in_multirun, job_scope, run_sweep_job_in_own_process
+from src.distributed import (
+    SweepJobFailed,
+    in_multirun,
+    job_scope,
+    run_sweep_job_in_own_process,
+)
 from src.model import ImageClassifier
+from src.net import ConvNet
 from src.shutdown import RankFailed, run_lifecycle
-from src.trainer import build_trainer
+from src.trainer import build_trainer, check_settings
 
 
 def train(cfg: DictConfig) -> float | None:
-    if in_multirun() and build_trainer(cfg, [], fitting=False).world_size > 1:
+    world_size = check_settings(cfg, fitting=True)
+    check_keys("data", cfg.data, MNISTDataModule)
+    check_keys("model", cfg.model, ImageClassifier, set_by={"num_classes": "the data"})
+    check_keys("model.net", cfg.model.net, ConvNet, set_by={"num_classes": "the data"})
+    if in_multirun() and world_size > 1:
         return run_sweep_job_in_own_process(cfg.optimized_metric)  # see src/distributed.py
     reporting.show_config(cfg)
     seed = L.seed_everything(cfg.seed, workers=True)
@@ -51,12 +62,22 @@ def train(cfg: DictConfig) -> float | None:
     return metrics.get(cfg.optimized_metric)
 
 
+# Errors that mean bad input or a failed rank: shown as one line, no traceback.
+EXPECTED = (
+    DataError,
+    CheckpointError,
+    tracking.TrackingError,
+    ConfigError,
+    RankFailed,
+    SweepJobFailed,
+)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    expected = (DataError, CheckpointError, tracking.TrackingError, ConfigError, RankFailed)
-    with reporting.short_errors(*expected), job_scope():
+    with reporting.short_errors(*EXPECTED), job_scope():
         return train(cfg)
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(main, EXPECTED)

@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoint import AtomicCheckpointIO, BestCheckpoint, LastCheckpoint
+from src.config import check_keys
 from src.data import per_device_batch_size
 from src.distributed import (
     LogRankSetup,
@@ -23,6 +24,36 @@ from src.distributed import (
     use_sync_batchnorm,
 )
 from src.shutdown import StopOnSignal
+
+# Trainer arguments that build_trainer sets from other config: key -> where to set it instead.
+SET_BY_TEMPLATE = {
+    "accelerator": "the top-level key accelerator",
+    "devices": "the top-level key devices",
+    "num_nodes": "the top-level key num_nodes",
+    "strategy": "the strategy group (strategy=ddp)",
+    "sync_batchnorm": "strategy.sync_batchnorm",
+    "logger": "the logger group (logger=mlflow|csv|none)",
+    "callbacks": "the callbacks group",
+    "enable_progress_bar": "callbacks.progress_bar",
+    "enable_model_summary": "the task (training only)",
+    "default_root_dir": "paths.output_dir",
+    "plugins": "the template (atomic checkpoint writes)",
+}
+
+
+def check_settings(cfg: DictConfig, fitting: bool) -> int:
+    """Refuse, before anything is written, hardware and loop settings that cannot work: device
+    and node counts, unknown ``trainer`` keys and, for training, a global batch the world size
+    does not divide (evaluation splits by samples, so any batch size works there).
+
+    Returns the world size the job asks for.
+    """
+    check_devices(cfg.accelerator, cfg.devices, cfg.num_nodes)
+    check_keys("trainer", cfg.trainer, L.Trainer, set_by=SET_BY_TEMPLATE)
+    world = requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)
+    if fitting:
+        per_device_batch_size(cfg.data.batch_size, world)
+    return world
 
 
 def build_callbacks(cfg: DictConfig, fitting: bool) -> list[Callback]:
@@ -59,8 +90,8 @@ def build_callbacks(cfg: DictConfig, fitting: bool) -> list[Callback]:
 def build_trainer(
     cfg: DictConfig, loggers: list[Logger], fitting: bool, extra_callbacks: Sequence[Callback] = ()
 ) -> L.Trainer:
-    """A Trainer for ``cfg``: hardware from the top-level keys, loop settings from ``trainer``."""
-    check_devices(cfg.accelerator, cfg.devices)
+    """A Trainer for ``cfg`` (checked by :func:`check_settings`): hardware from the top-level
+    keys, loop settings from ``trainer``."""
     processes = requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)
     trainer = L.Trainer(
         accelerator=cfg.accelerator,
@@ -76,6 +107,4 @@ def build_trainer(
         plugins=[AtomicCheckpointIO()],  # a crash never leaves a half-written checkpoint
         **OmegaConf.to_container(cfg.trainer, resolve=True),
     )
-    # The world size is known now: refuse a global batch that does not split, before any work.
-    per_device_batch_size(cfg.data.batch_size, trainer.world_size)
     return trainer

@@ -47,10 +47,14 @@ def tiny_overrides(data_root: Path) -> list[str]:
 
 
 def run_entry(
-    module: str, *overrides: str, cwd: Path, check: bool = True
+    module: str,
+    *overrides: str,
+    cwd: Path,
+    check: bool = True,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``python -m src.<module>`` in a subprocess, as a user would; fail with its output."""
-    env = {**os.environ, "PYTHONPATH": str(PROJECT)}
+    env = {**(env or os.environ), "PYTHONPATH": str(PROJECT)}
     proc = subprocess.run(
         [sys.executable, "-m", f"src.{module}", *overrides],
         cwd=cwd,

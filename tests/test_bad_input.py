@@ -1,6 +1,8 @@
-"""Bad input stops ``python -m src.train`` with one specific line before any work starts:
-no MLflow run is created (so none is left RUNNING) and no checkpoint is written."""
+"""Bad input stops ``python -m src.train`` with one specific line before any work starts,
+typed as a user types it (no ``hydra.run.dir``): no traceback, exit code 1, and nothing left
+behind: no output folder, no MLflow store or run, no checkpoint, no folder in ``data.root``."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -12,7 +14,9 @@ from tests.conftest import N_TRAIN, run_entry, tiny_overrides
 pytestmark = pytest.mark.slow
 
 
-def fails_before_any_work(workdir: Path, *overrides: str, data_root: Path) -> str:
+def fails_before_any_work(
+    workdir: Path, *overrides: str, data_root: Path, env: dict[str, str] | None = None
+) -> str:
     """Run training with ``overrides``; return its stderr after checking nothing was started."""
     proc = run_entry(
         "train",
@@ -20,25 +24,49 @@ def fails_before_any_work(workdir: Path, *overrides: str, data_root: Path) -> st
         *overrides,
         cwd=workdir,
         check=False,
+        env=env,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    store = workdir / "mlflow.db"
-    if store.exists():
-        from mlflow import MlflowClient
-
-        client = MlflowClient(f"sqlite:///{store}")
-        assert client.search_runs([e.experiment_id for e in client.search_experiments()]) == []
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert not (workdir / "outputs").is_dir(), "a refused job leaves no output folder"
+    assert not (workdir / "mlflow.db").exists(), "a refused job creates no MLflow store or run"
     written = [p for p in workdir.rglob("*") if p.suffix in (".ckpt", ".tmp")]
     assert not [p for p in written if "given" not in p.parts], f"checkpoints written: {written}"
     return " ".join(proc.stderr.split())  # unwrapped
 
 
+DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["model.no_such_key=1"], "Could not override 'model.no_such_key'"),
-        (["data=cifar10"], "Could not find 'data/cifar10'"),
+        (
+            ["model.no_such_key=1"],
+            "model.no_such_key is not a config key; model has: channels_last, compile, lr, net,"
+            " weight_decay",
+        ),
+        (
+            ["+model.learning_rate=0.01"],
+            "model.learning_rate is not a setting of model (ImageClassifier); valid keys: "
+            "model.net, model.lr, model.weight_decay",
+        ),
+        (["trainer.max_epoch=1"], "trainer.max_epoch is not a config key (did you mean "),
+        (["+model.net.chanels=[4,8]"], "(did you mean model.net.channels?); valid keys:"),
+        (["+trainer.devices=2"], "trainer.devices is set from the top-level key devices"),
+        (
+            ["data=cifar10"],
+            "data=cifar10 is not an option of the 'data' group; options: fashion_mnist, mnist",
+        ),
+        (["model=nope"], "model=nope is not an option of the 'model' group; options: convnet"),
+        (["model.lr=["], "model.lr=[ is not a valid override"),
+        (["devices=0"], f"devices=0 {DEVICES_HELP}"),
+        (["devices=-2"], f"devices=-2 {DEVICES_HELP}"),
+        (["devices=two"], f"devices=two {DEVICES_HELP}"),
+        (["devices=[0,1]"], "devices=[0, 1] lists GPU indices but no GPU is used here"),
+        (["num_nodes=0"], "num_nodes=0 is not valid: it is the number of machines"),
         (
             ["strategy=ddp", "devices=3"],
             "data.batch_size=32 is the global batch size and must be divisible by the world "
@@ -50,10 +78,53 @@ def fails_before_any_work(workdir: Path, *overrides: str, data_root: Path) -> st
         ),
         (["ckpt_path=missing.ckpt"], "ckpt_path=missing.ckpt: no such file"),
     ],
-    ids=["unknown-key", "unknown-option", "batch-vs-world", "val-size", "missing-ckpt"],
+    ids=[
+        "unknown-key",
+        "unknown-key-appended",
+        "near-miss-key",
+        "near-miss-appended",
+        "key-set-elsewhere",
+        "unknown-option",
+        "unknown-model",
+        "override-syntax",
+        "devices-0",
+        "devices-negative",
+        "devices-word",
+        "gpu-indices-on-cpu",
+        "num-nodes-0",
+        "batch-vs-world",
+        "val-size",
+        "missing-ckpt",
+    ],
 )
 def test_bad_setting(overrides: list[str], message: str, tiny_root: Path, tmp_path: Path) -> None:
+    if overrides == ["devices=[0,1]"] and torch.cuda.is_available():
+        pytest.skip("GPU indices are valid on a machine with GPUs")
     assert message in fails_before_any_work(tmp_path, *overrides, data_root=tiny_root)
+
+
+# A proxy on a closed local port: every download fails at once, as on a machine offline.
+OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+
+
+def test_missing_data_offline_with_download_on(tiny_root: Path, tmp_path: Path) -> None:
+    root = tmp_path / "nowhere"
+    stderr = fails_before_any_work(
+        tmp_path, "data.download=true", data_root=root, env={**os.environ, **OFFLINE}
+    )
+    assert f"MNIST-format data not found in {root}/MNIST/raw" in stderr
+    assert "the download was tried" in stderr and "Download failed from" in stderr
+    assert "data.download=true" not in stderr, "download is already on: no such advice"
+    assert not root.exists(), "a refused data.root gets no folders"
+
+
+def test_empty_data_root_with_download_off(tiny_root: Path, tmp_path: Path) -> None:
+    root = tmp_path / "empty"
+    root.mkdir()
+    stderr = fails_before_any_work(tmp_path, "data.download=false", data_root=root)
+    assert f"MNIST-format data not found in {root}/MNIST/raw" in stderr
+    assert "or set data.download=true" in stderr
+    assert list(root.iterdir()) == []
 
 
 def test_more_gpus_than_the_machine_has(tiny_root: Path, tmp_path: Path) -> None:
@@ -91,13 +162,11 @@ def test_a_checkpoint_of_another_network(
 
 
 def test_an_output_folder_that_cannot_be_created(tiny_root: Path, tmp_path: Path) -> None:
-    (tmp_path / "taken").write_text("a file, not a folder")
-    stderr = fails_before_any_work(
-        tmp_path, f"hydra.run.dir={tmp_path}/taken/run", data_root=tiny_root
-    )
+    (tmp_path / "outputs").write_text("a file where the output folders should go")
+    stderr = fails_before_any_work(tmp_path, data_root=tiny_root)
     assert (
-        f"output folder {tmp_path}/taken/run cannot be created: {tmp_path}/taken is a file"
-        in stderr
+        f"output folder {tmp_path}/outputs/train/runs/" in stderr
+        and f"cannot be created: {tmp_path}/outputs is a file" in stderr
     )
     assert "paths.log_dir=" in stderr
 

@@ -6,12 +6,16 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from src.config import check_keys
 from src.data import MNISTDataModule
+from src.distributed import check_devices
 from src.model import ImageClassifier
+from src.net import ConvNet
 from src.tracking import build_loggers
-from src.trainer import build_trainer
+from src.trainer import build_trainer, check_settings
 from tests.conftest import PROJECT
 
 CONF = PROJECT / "conf"
@@ -50,6 +54,11 @@ def test_every_group_has_options() -> None:
 def test_group_option_composes_and_builds(name: str, override: str, tmp_path: Path) -> None:
     cfg = compose_config(name, [override], tmp_path)
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    check_settings(cfg, fitting=name == "train")  # every shipped option passes the checks
+    check_keys("data", cfg.data, MNISTDataModule)
+    if "model" in cfg:
+        check_keys("model", cfg.model, ImageClassifier)
+        check_keys("model.net", cfg.model.net, ConvNet)
     datamodule = MNISTDataModule(**cfg.data)
     model_cfg = cfg.get("model") or compose_config("train", [], tmp_path).model
     ImageClassifier(num_classes=10, **OmegaConf.to_container(model_cfg))
@@ -78,3 +87,39 @@ def test_fashion_mnist_experiment_overrides_data(tmp_path: Path) -> None:
     cfg = compose_config("train", ["experiment=fashion_mnist"], tmp_path)
     assert cfg.data.name == "fashion_mnist"
     assert cfg.data.batch_size == 128  # inherited from data/mnist.yaml
+
+
+def test_check_keys_names_the_valid_keys_and_a_near_miss() -> None:
+    check_keys("model.net", {"channels": [8], "dropout": 0.1}, ConvNet)
+    with pytest.raises(ConfigError) as info:
+        check_keys("model.net", {"chanels": [8]}, ConvNet)
+    assert str(info.value).startswith(
+        "model.net.chanels is not a setting of model.net (ConvNet) "
+        "(did you mean model.net.channels?); valid keys: model.net.in_channels,"
+    )
+    with pytest.raises(ConfigError, match="model.num_classes is set from the data; remove"):
+        check_keys("model", {"num_classes": 3}, ImageClassifier, set_by={"num_classes": "the data"})
+
+
+@pytest.mark.parametrize("devices", [1, 3, "auto", -1])
+def test_valid_device_counts(devices: object) -> None:
+    check_devices("cpu", devices, 1)
+
+
+@pytest.mark.parametrize("devices", [0, -2, "two", 1.5, True, []])
+def test_invalid_device_counts_say_what_is_valid(devices: object) -> None:
+    with pytest.raises(ConfigError, match=rf"^devices={re.escape(str(devices))} is not valid: "):
+        check_devices("cpu", devices, 1)
+
+
+@pytest.mark.parametrize("num_nodes", [0, -1, "two", 1.0])
+def test_invalid_node_counts(num_nodes: object) -> None:
+    with pytest.raises(ConfigError, match=r"is not valid: it is the number of machines"):
+        check_devices("cpu", 1, num_nodes)
+
+
+def test_evaluation_takes_a_batch_the_world_does_not_divide(tmp_path: Path) -> None:
+    cfg = compose_config("eval", ["strategy=ddp", "devices=3"], tmp_path)
+    assert check_settings(cfg, fitting=False) == 3  # 128 samples split by samples, not refused
+    with pytest.raises(Exception, match="must be divisible by the world size 3"):
+        check_settings(cfg, fitting=True)

@@ -1,0 +1,102 @@
+"""What a user typed, checked before any work, and refused in one line that names the fix.
+
+Hydra checks the command line against the YAML files (an unknown key, an unknown option of a
+group); :func:`run_entry_point` turns its multi-line reports into one line that lists what is
+valid. :func:`check_keys` checks what YAML cannot know: that a section added to with
+``+model.learning_rate=...`` still fits the constructor it is passed to.
+"""
+
+import difflib
+import inspect
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+from unittest import mock
+
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from src.reporting import show_error
+
+
+def run_entry_point(main: Callable[[], Any], expected: tuple[type[Exception], ...]) -> None:
+    """Run a ``@hydra.main`` function; Hydra's errors about the command line become one line.
+
+    ``HYDRA_FULL_ERROR=1`` is Hydra's documented switch to raise instead of printing its own
+    report, so this process can word it. A single run handles ``expected`` errors itself
+    (:func:`src.reporting.short_errors`); a sweep re-raises its first failed job's error after
+    running every job, and it ends here, as one line too.
+    """
+    with mock.patch.dict(os.environ, {"HYDRA_FULL_ERROR": "1"}):
+        try:
+            main()
+        except (HydraException, OmegaConfBaseException) as error:
+            show_error(describe_config_error(error))
+            raise SystemExit(1) from None
+        except expected as error:
+            show_error(str(error))
+            raise SystemExit(1) from None
+
+
+def describe_config_error(error: Exception) -> str:
+    """One line for Hydra's composition errors, listing the valid keys or options."""
+    if isinstance(error, MissingConfigException) and error.options is not None:
+        group, _, option = (error.missing_cfg_file or "").rpartition("/")
+        if group:
+            return (
+                f"{group}={option} is not an option of the '{group}' group; options: "
+                f"{', '.join(sorted(error.options))} (files in conf/{group}/)"
+            )
+    if isinstance(error, OverrideParseException):
+        reason = error.message.splitlines()[0]
+        return (
+            f"{error.override} is not a valid override ({reason}); the form is key=value, "
+            "quoted for the shell where it holds brackets or spaces: 'key=[1,2]'"
+        )
+    cause = error.__cause__
+    typed = re.match(r"Could not override '([^']+)'", str(error))
+    parent = getattr(cause, "parent_node", None)
+    if typed and isinstance(parent, DictConfig):
+        key = typed.group(1)
+        section = key.rpartition(".")[0]
+        where = f"{section} has" if section else "top-level keys are"
+        return f"{key} is not a config key{suggest(key, parent.keys(), section)}; {where}: " + (
+            ", ".join(sorted(str(k) for k in parent))
+        )
+    return str(error).strip().splitlines()[0]
+
+
+def suggest(key: str, valid: Iterable[Any], section: str) -> str:
+    """`` (did you mean model.lr?)`` for a near miss, else nothing."""
+    name = key.rpartition(".")[2]
+    close = difflib.get_close_matches(name, [str(k) for k in valid], n=1)
+    return f" (did you mean {section + '.' if section else ''}{close[0]}?)" if close else ""
+
+
+def check_keys(
+    section: str,
+    values: Mapping[str, Any],
+    target: Callable,
+    set_by: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse keys ``target`` does not take (added with ``+section.key=...``), or that are set
+    elsewhere (``set_by``: key -> what sets it), naming the valid ones. ``section`` is the config
+    path of ``values``, e.g. ``model``."""
+    parameters = dict(inspect.signature(target).parameters)
+    parameters.pop("self", None)
+    set_by = set_by or {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return  # takes anything
+    valid = [key for key in parameters if key not in set_by]
+    for key in values:
+        if key in set_by:
+            raise ConfigError(f"{section}.{key} is set from {set_by[key]}; remove {section}.{key}")
+        if key not in parameters:
+            raise ConfigError(
+                f"{section}.{key} is not a setting of {section} "
+                f"({getattr(target, '__name__', target)}){suggest(key, valid, section)}; "
+                f"valid keys: {', '.join(f'{section}.{k}' for k in valid)}"
+            )
