@@ -6,7 +6,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -160,3 +162,38 @@ def trained(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     )
     log = proc.stdout + proc.stderr
     return {"workdir": workdir, "run_dir": run_dir, "log": log, "tiny_root": tiny_root}
+
+
+@contextmanager
+def mlflow_server(argv: Sequence[str], port: int, cwd: Path) -> Iterator[str]:
+    """Run an ``mlflow server ...`` command until it answers ``/health``; yield its URL, then
+    stop its whole process group (its workers share it, so one signal stops them all)."""
+    log = cwd / "mlflow-server.log"
+    venv_bin = Path(sys.executable).parent  # the `mlflow` command of this environment
+    env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ['PATH']}"}
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            list(argv), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not start in 120 s"
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

@@ -1,4 +1,7 @@
-"""Hydra multirun sweeps whose jobs are DDP jobs, and the Optuna search, run for real."""
+"""Hydra multirun sweeps whose jobs are DDP jobs, and the Optuna search, run for real.
+
+Typed as a user types them: the sweep folder is Hydra's default, ``outputs/train/multiruns/<time>``
+(only the failure test places it, to plant the fault)."""
 
 from pathlib import Path
 
@@ -12,10 +15,15 @@ from tests.conftest import run_entry, tiny_overrides
 pytestmark = pytest.mark.slow
 
 
-def sweep_overrides(tiny_root: Path, sweep_dir: Path) -> list[str]:
+def sweep_overrides(tiny_root: Path) -> list[str]:
     # lr is what the sweeps vary, so it is left out of the shared tiny overrides.
     shared = [o for o in tiny_overrides(tiny_root) if not o.startswith(("model.lr=", "trainer."))]
-    return [*shared, "trainer.max_epochs=1", f"hydra.sweep.dir={sweep_dir}"]
+    return [*shared, "trainer.max_epochs=1"]
+
+
+def sweep_folders(workdir: Path) -> list[Path]:
+    """The sweeps launched from ``workdir``, in the default layout, oldest first."""
+    return sorted((workdir / "outputs" / "train" / "multiruns").iterdir())
 
 
 def runs_by_job(store: Path) -> dict[int, object]:
@@ -31,14 +39,16 @@ def rank_lines(job_dir: Path) -> list[str]:
 
 
 def test_ddp_sweep_runs_every_job_once_with_its_own_world(tiny_root: Path, tmp_path: Path) -> None:
-    sweep = tmp_path / "sweep"
     run_entry(
-        "train", "-m", *sweep_overrides(tiny_root, sweep),
+        "train", "-m", *sweep_overrides(tiny_root),
         "strategy=ddp", "devices=1,2", "model.lr=0.01,0.02",
         cwd=tmp_path,
     )  # fmt: skip
+    (sweep,) = sweep_folders(tmp_path)
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "2", "3", "multirun.yaml"]
-    assert not (tmp_path / "outputs").exists(), "no rank ran a sweep of its own elsewhere"
+    assert [p.name for p in (tmp_path / "outputs" / "train").iterdir()] == ["multiruns"], (
+        "no rank ran a job or sweep of its own elsewhere"
+    )
     runs = runs_by_job(tmp_path / "mlflow.db")
     expected = {0: ("1", "0.01"), 1: ("1", "0.02"), 2: ("2", "0.01"), 3: ("2", "0.02")}
     assert {
@@ -58,8 +68,8 @@ def test_failed_sweep_job_is_reported_and_the_next_runs(tiny_root: Path, tmp_pat
     (sweep / "0").mkdir(parents=True)
     (sweep / "0" / "checkpoints").write_text("a file where job 0's checkpoints should go")
     proc = run_entry(
-        "train", "-m", *sweep_overrides(tiny_root, sweep), "model.lr=0.01,0.02",
-        "strategy=ddp", "devices=2", cwd=tmp_path, check=False,
+        "train", "-m", *sweep_overrides(tiny_root), f"hydra.sweep.dir={sweep}",
+        "model.lr=0.01,0.02", "strategy=ddp", "devices=2", cwd=tmp_path, check=False,
     )  # fmt: skip
     assert proc.returncode != 0
     assert "sweep job 0 exited with code 1" in proc.stderr
@@ -70,12 +80,12 @@ def test_failed_sweep_job_is_reported_and_the_next_runs(tiny_root: Path, tmp_pat
 
 
 def test_optuna_search_trains_each_trial_on_every_rank(tiny_root: Path, tmp_path: Path) -> None:
-    sweep, storage = tmp_path / "sweep", f"sqlite:///{tmp_path / 'optuna.db'}"
     run_entry(
-        "train", "-m", "hparams_search=convnet_optuna", *sweep_overrides(tiny_root, sweep),
-        "strategy=ddp", "devices=2", "hydra.sweeper.n_trials=3", f"hydra.sweeper.storage={storage}",
-        cwd=tmp_path,
+        "train", "-m", "hparams_search=convnet_optuna", *sweep_overrides(tiny_root),
+        "strategy=ddp", "devices=2", "hydra.sweeper.n_trials=3", cwd=tmp_path,
     )  # fmt: skip
+    (sweep,) = sweep_folders(tmp_path)
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"  # the default: optuna.db in the launch folder
     runs = runs_by_job(tmp_path / "mlflow.db")
     assert sorted(runs) == [0, 1, 2]
     for job, run in runs.items():
@@ -92,13 +102,13 @@ def test_optuna_search_trains_each_trial_on_every_rank(tiny_root: Path, tmp_path
 
 
 def test_optuna_study_resumes_where_it_stopped(tiny_root: Path, tmp_path: Path) -> None:
-    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
-    for n_trials, sweep in ((1, tmp_path / "first"), (2, tmp_path / "second")):
+    for n_trials in (1, 2):  # the same command again, asking for one trial more
         run_entry(
-            "train", "-m", "hparams_search=convnet_optuna", *sweep_overrides(tiny_root, sweep),
-            f"hydra.sweeper.n_trials={n_trials}", f"hydra.sweeper.storage={storage}",
-            cwd=tmp_path,
+            "train", "-m", "hparams_search=convnet_optuna", *sweep_overrides(tiny_root),
+            f"hydra.sweeper.n_trials={n_trials}", cwd=tmp_path,
         )  # fmt: skip
-    assert sorted(p.name for p in (tmp_path / "second").iterdir() if p.is_dir()) == ["1"]
+    _, second = sweep_folders(tmp_path)
+    assert sorted(p.name for p in second.iterdir() if p.is_dir()) == ["1"]
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     study = optuna.load_study(study_name="convnet-mnist", storage=storage)
     assert [trial.number for trial in study.trials] == [0, 1]

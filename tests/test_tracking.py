@@ -1,12 +1,6 @@
 """Tracking set-up against a real SQLite MLflow store."""
 
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +18,7 @@ from src.tracking import (
     prepare_store,
     without_password,
 )
-from tests.conftest import read_metrics, run_entry, tiny_overrides
+from tests.conftest import mlflow_server, read_metrics, run_entry, tiny_overrides
 from tests.test_config import compose_config
 
 
@@ -86,60 +80,35 @@ def test_unreachable_server_is_a_clear_error_at_once(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def mlflow_server(tmp_path: Path) -> Iterator[str]:
+def server_url(tmp_path: Path) -> Iterator[str]:
     """A real ``mlflow server`` on 127.0.0.1 with its own store, stopped by its process group."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--artifacts-destination", str(tmp_path / "server-artifacts")],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its workers share the group, so one signal stops them all
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "mlflow server did not start in 120 s"
-            time.sleep(0.5)
+    argv = [
+        "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+        "--artifacts-destination", str(tmp_path / "server-artifacts"),
+    ]  # fmt: skip
+    with mlflow_server(argv, port, tmp_path) as url:
         yield url
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
 
 
 @pytest.mark.slow
 def test_training_against_a_real_mlflow_server(
-    mlflow_server: str, tiny_root: Path, tmp_path: Path
+    server_url: str, tiny_root: Path, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
     run_entry(
         "train",
         *tiny_overrides(tiny_root),
         "trainer.max_epochs=1",
-        f"logger.tracking_uri={mlflow_server}",
+        f"logger.tracking_uri={server_url}",
         f"hydra.run.dir={run_dir}",
         cwd=tmp_path,
     )
     assert not (tmp_path / "mlflow.db").exists(), "nothing was logged locally"
-    client = MlflowClient(mlflow_server)
+    client = MlflowClient(server_url)
     (run,) = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
     assert run.info.status == "FINISHED"
     assert run.data.params["model.lr"] == "0.01"
