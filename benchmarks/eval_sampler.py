@@ -12,9 +12,10 @@ import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader
 
-from src.data import MNISTDataModule, keep_batch
-from src.distributed import job_scope
-from src.model import ImageClassifier
+from src.task.data.mnist import MNISTDataModule
+from src.task.model import ImageClassifier
+from src.template.data import keep_batch
+from src.template.distributed import job_scope
 
 
 class PaddedEval(MNISTDataModule):

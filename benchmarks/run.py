@@ -9,6 +9,7 @@ the median (min-max) of ``--repeats`` runs; on shared machines the ratios are wh
 4. data path: batched fetch (``__getitems__``) against per-sample ``__getitem__`` + collate
 5. exactness cost: DDP test loop with the unpadded sampler against Lightning's padded one
 6. whole job: ``python -m src.train data=fashion_mnist`` wall time and test accuracy
+7. image folders: decoding the training split's images from PNG files into the in-memory tensor
 
 ``--tiny`` runs every row on a small generated dataset in about a minute (used by the tests).
 """
@@ -51,7 +52,7 @@ def repeat(times: int, measure: Callable[[], float]) -> dict[str, float]:
 
 def raw_loop(train_set, batch: int, steps: int) -> float:
     """Samples/s of a hand-written loop: index, normalise, forward, backward, step."""
-    from src.net import ConvNet
+    from src.task.nets.convnet import ConvNet
 
     torch.manual_seed(0)
     net = ConvNet(num_classes=10)
@@ -63,7 +64,7 @@ def raw_loop(train_set, batch: int, steps: int) -> float:
         if step == WARMUP:
             start = time.perf_counter()
         index = order[(step * batch) % (len(order) - batch) :][:batch]
-        x = images[index].unsqueeze(1).float().div_(255).sub_(train_set.mean).div_(train_set.std)
+        x = images[index].float().div_(255).sub_(train_set.mean).div_(train_set.std)
         loss = F.cross_entropy(net(x), labels[index])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -79,8 +80,8 @@ def template_epoch(datamodule_args: dict, batch: int, steps: int) -> float:
     import lightning.pytorch as L
     from lightning.pytorch.callbacks import RichProgressBar
 
-    from src.data import MNISTDataModule
-    from src.model import ImageClassifier
+    from src.task.data.mnist import MNISTDataModule
+    from src.task.model import ImageClassifier
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -228,6 +229,33 @@ def whole_job(root: Path, workdir: Path) -> tuple[float, float]:
 # --- the run
 
 
+def decode_folder(train_set, count: int, workdir: Path) -> float:
+    """Seconds for ``data=image_folder`` to decode ``count`` PNG files of ``train_set``'s
+    images (written once, in class folders) into its uint8 tensor."""
+    from PIL import Image
+
+    from src.task.data.image_folder import read_folder
+
+    folder = workdir / f"png{count}" / "train"
+    classes = [str(label) for label in range(int(train_set.labels.max()) + 1)]
+    if not folder.is_dir():
+        for name in classes:
+            (folder / name).mkdir(parents=True)
+        for i in range(count):
+            label = str(int(train_set.labels[i]))
+            Image.fromarray(train_set.images[i, 0].numpy()).save(folder / label / f"{i:05d}.png")
+    start = time.perf_counter()
+    images, _ = read_folder(
+        folder,
+        [c for c in classes if (folder / c).is_dir() and any((folder / c).iterdir())],
+        1,
+        (28, 28),
+    )
+    elapsed = time.perf_counter() - start
+    assert len(images) == count
+    return elapsed
+
+
 def machine() -> dict[str, object]:
     cpu = next(
         (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -247,7 +275,8 @@ def machine() -> dict[str, object]:
 
 
 def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict:
-    from src.data import MNISTDataModule, keep_batch
+    from src.task.data.mnist import MNISTDataModule
+    from src.template.data import keep_batch
 
     real = not tiny and (SHARED_DATA / "FashionMNIST" / "raw").is_dir()
     if real:
@@ -317,6 +346,13 @@ def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict
         rows["6. whole default job on Fashion-MNIST"] = {
             "skipped": "needs ../shared/data, not --tiny"
         }
+    count = len(train_set) if real else 600
+    seconds = repeat(repeats, lambda: decode_folder(train_set, count, workdir))
+    rows[f"7. image folder: decode {count:,} PNG images (s)"] = seconds
+    rows["7. image folder: decoded images/s"] = {
+        "median": count / seconds["median"], "min": count / seconds["max"],
+        "max": count / seconds["min"],
+    }  # fmt: skip
     rows["GPU rows (GPU-resident data, bf16, compile)"] = {"skipped": "not measured: no GPU here"}
     return {
         "machine": machine(),

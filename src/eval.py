@@ -11,23 +11,29 @@ import lightning.pytorch as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from omegaconf import DictConfig
 
-from src import reporting, tracking
-from src.checkpoint import CheckpointError, load_for_inference
-from src.config import check_keys, run_entry_point
-from src.data import DataError, MNISTDataModule
-from src.distributed import job_scope
-from src.shutdown import RankFailed, run_lifecycle
-from src.trainer import build_trainer, check_settings
+from src.task.data import build_datamodule, datamodule_class
+from src.task.model import ImageClassifier
+from src.task.nets import UnknownNetwork
+from src.template import reporting, tracking
+from src.template.checkpoint import CheckpointError, load_for_inference
+from src.template.config import check_choice, check_keys, run_entry_point
+from src.template.data import DataError
+from src.template.distributed import job_scope
+from src.template.shutdown import RankFailed, run_lifecycle
+from src.template.trainer import build_trainer, check_settings
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
+    check_choice("split", cfg.split, ("test", "val"))
     check_settings(cfg, fitting=False)
-    check_keys("data", cfg.data, MNISTDataModule)
-    reporting.show_config(cfg)
+    check_keys("data", cfg.data, datamodule_class(cfg.data.name))
     L.seed_everything(cfg.seed, workers=True)
-    model, datamodule, source = load_for_inference(cfg.ckpt_path, cfg.data)
+    model, datamodule, source = load_for_inference(
+        cfg.ckpt_path, cfg.data, build_datamodule, ImageClassifier
+    )
     datamodule.prepare_data()
     datamodule.load({"test": "test", "val": "validate"}[cfg.split])  # bad data fails now
+    reporting.show_config(cfg)
     tags = tracking.source_tags(source, cfg.ckpt_path, cfg.logger.get("tracking_uri", ""))
     loggers = tracking.build_loggers(cfg, extra_tags=tags)
     trainer = build_trainer(cfg, loggers, fitting=False)
@@ -40,7 +46,14 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 
 # Errors that mean bad input or a failed rank: shown as one line, no traceback.
-EXPECTED = (DataError, CheckpointError, tracking.TrackingError, ConfigError, RankFailed)
+EXPECTED = (
+    DataError,
+    CheckpointError,
+    tracking.TrackingError,
+    ConfigError,
+    RankFailed,
+    UnknownNetwork,
+)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")

@@ -10,41 +10,44 @@ import lightning.pytorch as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from omegaconf import DictConfig, OmegaConf
 
-from src import checkpoint, reporting, tracking
-from src.checkpoint import CheckpointError
-from src.config import check_keys, run_entry_point
-from src.data import DataError, MNISTDataModule
-from src.distributed import (
+from src.task.data import build_datamodule, datamodule_class
+from src.task.model import ImageClassifier
+from src.task.nets import UnknownNetwork
+from src.template import checkpoint, reporting, tracking
+from src.template.checkpoint import CheckpointError
+from src.template.config import as_config_error, check_sections, run_entry_point
+from src.template.data import DataError
+from src.template.distributed import (
     SweepJobFailed,
     in_multirun,
     job_scope,
     run_sweep_job_in_own_process,
 )
-from src.model import ImageClassifier
-from src.net import ConvNet
-from src.shutdown import RankFailed, run_lifecycle
-from src.trainer import build_trainer, check_settings
+from src.template.shutdown import RankFailed, run_lifecycle
+from src.template.trainer import build_trainer, check_settings
 
 
 def train(cfg: DictConfig) -> float | None:
     world_size = check_settings(cfg, fitting=True)
-    check_keys("data", cfg.data, MNISTDataModule)
-    check_keys("model", cfg.model, ImageClassifier, set_by={"num_classes": "the data"})
-    check_keys("model.net", cfg.model.net, ConvNet, set_by={"num_classes": "the data"})
+    data_class = datamodule_class(cfg.data.name)
+    check_sections(cfg, {"data": (data_class, ()), **ImageClassifier.config_targets(cfg.model.net)})
     if in_multirun() and world_size > 1:
-        return run_sweep_job_in_own_process(cfg.optimized_metric)  # see src/distributed.py
-    reporting.show_config(cfg)
+        return run_sweep_job_in_own_process(cfg.optimized_metric)  # see src/template/distributed.py
     seed = L.seed_everything(cfg.seed, workers=True)
     # Everything that can be checked is checked before a run or a rank process exists.
-    datamodule = MNISTDataModule(**cfg.data)
+    datamodule = build_datamodule(cfg.data)
     datamodule.prepare_data()
     datamodule.load()  # train, validation and test splits
-    model = ImageClassifier(
-        num_classes=datamodule.num_classes, **OmegaConf.to_container(cfg.model, resolve=True)
-    )
+    with as_config_error("model"):
+        model = ImageClassifier(
+            num_classes=datamodule.num_classes,
+            image_shape=datamodule.image_shape,
+            **OmegaConf.to_container(cfg.model, resolve=True),
+        )
     resume = checkpoint.read_checkpoint(cfg.ckpt_path) if cfg.ckpt_path else None
     if resume:
         checkpoint.check_fits(resume, model, cfg.data.name, cfg.ckpt_path)
+    reporting.show_config(cfg)
     loggers = tracking.build_loggers(cfg, continue_run=tracking.run_to_continue(resume, cfg))
     extra = [checkpoint.SeedEachBatch(seed), *tracking.callbacks(loggers, cfg)]
     trainer = build_trainer(cfg, loggers, fitting=True, extra_callbacks=extra)
@@ -70,6 +73,7 @@ EXPECTED = (
     ConfigError,
     RankFailed,
     SweepJobFailed,
+    UnknownNetwork,
 )
 
 

@@ -55,8 +55,9 @@ def run_entry(
     check: bool = True,
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run ``python -m src.<module>`` in a subprocess, as a user would; fail with its output."""
-    env = {**(env or os.environ), "PYTHONPATH": str(PROJECT)}
+    """Run ``python -m src.<module>`` in a subprocess, as a user would; fail with its output.
+    ``env`` adds or replaces environment variables (``PYTHONPATH`` is this project's)."""
+    env = {**os.environ, "PYTHONPATH": str(PROJECT), **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", f"src.{module}", *overrides],
         cwd=cwd,

@@ -2,7 +2,6 @@
 typed as a user types it (no ``hydra.run.dir``): no traceback, exit code 1, and nothing left
 behind: no output folder, no MLflow store or run, no checkpoint, no folder in ``data.root``."""
 
-import os
 import shutil
 from pathlib import Path
 
@@ -67,6 +66,14 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         (["devices=two"], f"devices=two {DEVICES_HELP}"),
         (["devices=[0,1]"], "devices=[0, 1] lists GPU indices but no GPU is used here"),
         (["num_nodes=0"], "num_nodes=0 is not valid: it is the number of machines"),
+        (["devices=-1"], "devices=-1 means every GPU, and no GPU is used here"),
+        (["seed=abc"], "seed=abc is not valid: it must be a whole number >= 0"),
+        (["data.batch_size=0"], "data.batch_size=0 is not valid: it must be a whole number >= 1"),
+        (["data.num_workers=-1"], "data.num_workers=-1 must be 0 or more"),
+        (["trainer.max_epochs=-1"], "trainer.max_epochs=-1 is not valid: it must be a whole"),
+        (["trainer.precision=banana"], "trainer settings refused: Precision 'banana' is invalid"),
+        (["model.lr=abc"], "model settings refused: model.lr=abc must be a number > 0"),
+        (["model.net.dropout=1.5"], "model settings refused: dropout probability has to be"),
         (
             ["strategy=ddp", "devices=3"],
             "data.batch_size=32 is the global batch size and must be divisible by the world "
@@ -92,13 +99,21 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         "devices-word",
         "gpu-indices-on-cpu",
         "num-nodes-0",
+        "devices-all-gpus-on-cpu",
+        "seed-word",
+        "batch-size-0",
+        "workers-negative",
+        "endless-epochs",
+        "precision-unknown",
+        "lr-word",
+        "dropout-above-1",
         "batch-vs-world",
         "val-size",
         "missing-ckpt",
     ],
 )
 def test_bad_setting(overrides: list[str], message: str, tiny_root: Path, tmp_path: Path) -> None:
-    if overrides == ["devices=[0,1]"] and torch.cuda.is_available():
+    if overrides in (["devices=[0,1]"], ["devices=-1"]) and torch.cuda.is_available():
         pytest.skip("GPU indices are valid on a machine with GPUs")
     assert message in fails_before_any_work(tmp_path, *overrides, data_root=tiny_root)
 
@@ -109,9 +124,7 @@ OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:
 
 def test_missing_data_offline_with_download_on(tiny_root: Path, tmp_path: Path) -> None:
     root = tmp_path / "nowhere"
-    stderr = fails_before_any_work(
-        tmp_path, "data.download=true", data_root=root, env={**os.environ, **OFFLINE}
-    )
+    stderr = fails_before_any_work(tmp_path, "data.download=true", data_root=root, env=OFFLINE)
     assert f"MNIST-format data not found in {root}/MNIST/raw" in stderr
     assert "the download was tried" in stderr and "Download failed from" in stderr
     assert "data.download=true" not in stderr, "download is already on: no such advice"
@@ -178,3 +191,14 @@ def test_a_truncated_dataset_file(tiny_root: Path, tmp_path: Path) -> None:
     images.write_bytes(images.read_bytes()[:-100])
     stderr = fails_before_any_work(tmp_path, data_root=root)
     assert f"{images}:" in stderr and "truncated" in stderr and "re-download" in stderr
+
+
+@pytest.mark.parametrize("entry", ["eval", "predict"])
+def test_an_unknown_split(entry: str, tiny_root: Path, tmp_path: Path) -> None:
+    proc = run_entry(
+        entry, f"data.root={tiny_root}", "ckpt_path=x.ckpt", "split=validation", cwd=tmp_path,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "split=validation is not valid; use split=test or split=val" in proc.stderr
+    assert list(tmp_path.iterdir()) == [], "nothing is left behind"

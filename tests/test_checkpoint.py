@@ -8,7 +8,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.checkpoint import (
+from src.task.data import build_datamodule
+from src.task.model import ImageClassifier
+from src.template.checkpoint import (
     AtomicCheckpointIO,
     CheckpointError,
     SeedEachBatch,
@@ -16,7 +18,6 @@ from src.checkpoint import (
     load_for_inference,
     read_checkpoint,
 )
-from src.model import ImageClassifier
 
 NET = {"channels": [8, 16], "hidden": 32, "dropout": 0.25, "batch_norm": True}
 
@@ -95,7 +96,9 @@ def test_checkpoint_of_an_older_config_loads_with_todays_defaults(tmp_path: Path
     data = OmegaConf.create({"name": "mnist", "root": str(tmp_path), "download": False})
     data.update(batch_size=8, val_size=2)
     with pytest.warns(UserWarning, match=r"predates config keys channels_last=False, net.dropou"):
-        model, _, _ = load_for_inference(str(tmp_path / "old.ckpt"), data)
+        model, _, _ = load_for_inference(
+            str(tmp_path / "old.ckpt"), data, build_datamodule, ImageClassifier
+        )
     for name, tensor in trained.net.state_dict().items():
         assert torch.equal(model.net.state_dict()[name], tensor)
 
@@ -107,7 +110,7 @@ def test_checkpoint_with_keys_this_code_does_not_know_names_them(tmp_path: Path)
     torch.save(saved, tmp_path / "new.ckpt")
     data = OmegaConf.create({"name": "mnist"})
     with pytest.raises(CheckpointError) as error:
-        load_for_inference(str(tmp_path / "new.ckpt"), data)
+        load_for_inference(str(tmp_path / "new.ckpt"), data, build_datamodule, ImageClassifier)
     assert "keys this code does not know: net.activation; keys it lacks: lr" in str(error.value)
 
 

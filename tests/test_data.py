@@ -17,18 +17,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from src.data import (
-    DATASETS,
-    FILES,
-    Batch,
-    DataError,
-    ImageBatches,
-    MNISTDataModule,
-    download,
-    keep_batch,
-    load_split,
-    read_idx,
-)
+from src.task.data.mnist import DATASETS, FILES, MNISTDataModule, download, load_split, read_idx
+from src.template.data import Batch, DataError, ImageBatches, keep_batch
 from tests.idx_data import idx_bytes, make_dataset, write_idx
 
 SHARED_DATA = Path(__file__).parents[2] / "shared" / "data"
@@ -138,7 +128,7 @@ def test_load_split_label_out_of_range(tmp_path: Path) -> None:
 def test_load_split_prefers_gz_and_accepts_extracted(tmp_path: Path) -> None:
     arrays = make_dataset(tmp_path, gz=False)
     images, labels = load_split(tmp_path, DATASETS["mnist"], train=False)
-    assert images.dtype == torch.uint8 and images.shape == (17, 28, 28)
+    assert images.dtype == torch.uint8 and images.shape == (17, 1, 28, 28)
     assert labels.dtype == torch.int64
     np.testing.assert_array_equal(labels.numpy(), arrays["t10k-labels-idx1-ubyte"])
     other = np.zeros(17, np.uint8)
@@ -159,7 +149,7 @@ def test_download_good(tmp_path: Path, http_root: tuple[Path, str]) -> None:
     assert sorted(p.name for p in raw.iterdir()) == sorted(f"{n}.gz" for n in FILES)
     assert all(md5(raw / gz) == expected for gz, expected in spec.md5.items())
     images, labels = load_split(tmp_path / "data", spec, train=True)
-    assert images.shape == (20, 28, 28) and labels.shape == (20,)
+    assert images.shape == (20, 1, 28, 28) and labels.shape == (20,)
 
 
 def test_download_falls_back_to_next_mirror(tmp_path: Path, http_root: tuple[Path, str]) -> None:
@@ -264,7 +254,7 @@ def test_loader_batches_are_normalised(tmp_path: Path) -> None:
 
 
 def test_image_batches_work_with_any_sampler() -> None:
-    ds = ImageBatches(torch.zeros(6, 28, 28, dtype=torch.uint8), torch.arange(6), 0.0, 1.0)
+    ds = ImageBatches(torch.zeros(6, 1, 28, 28, dtype=torch.uint8), torch.arange(6), [0.0], [1.0])
     sampler = torch.utils.data.SequentialSampler(range(6))
     loader = DataLoader(ds, batch_size=4, sampler=sampler, collate_fn=keep_batch)
     assert [b.indices.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5]]
@@ -328,14 +318,14 @@ def test_real_fashion_mnist() -> None:
     _require("FashionMNIST", *FILES)
     spec = DATASETS["fashion_mnist"]
     images, labels = load_split(SHARED_DATA, spec, train=True)
-    assert images.shape == (60000, 28, 28) and images.dtype == torch.uint8
+    assert images.shape == (60000, 1, 28, 28) and images.dtype == torch.uint8
     assert np.bincount(labels.numpy(), minlength=10).tolist() == [6000] * 10
     images, labels = load_split(SHARED_DATA, spec, train=False)
-    assert images.shape == (10000, 28, 28) and int(labels.max()) == 9
+    assert images.shape == (10000, 1, 28, 28) and int(labels.max()) == 9
 
 
 def test_real_mnist_test_split() -> None:
     _require("MNIST", *FILES[2:])
     images, labels = load_split(SHARED_DATA, DATASETS["mnist"], train=False)
-    assert images.shape == (10000, 28, 28) and labels.shape == (10000,)
+    assert images.shape == (10000, 1, 28, 28) and labels.shape == (10000,)
     assert labels.dtype == torch.int64 and int(labels.min()) >= 0 and int(labels.max()) == 9

@@ -17,8 +17,8 @@ import torch
 from mlflow import MlflowClient
 from torch.utils.data import TensorDataset
 
-from src.distributed import GlobalBatchSampler, UnpaddedSampler, WatchedDDPStrategy
-from src.trainer import build_trainer
+from src.template.distributed import GlobalBatchSampler, UnpaddedSampler, WatchedDDPStrategy
+from src.template.trainer import build_trainer
 from tests.conftest import (
     N_TEST,
     N_TRAIN,

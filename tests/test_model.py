@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from src.data import MNISTDataModule
-from src.model import ImageClassifier
+from src.task.data.mnist import MNISTDataModule
+from src.task.model import ImageClassifier
 from tests.conftest import VAL_SIZE
 
 NET = {"channels": [8, 16], "hidden": 32, "dropout": 0.0, "batch_norm": True}
@@ -58,7 +58,8 @@ def test_best_val_acc_travels_in_the_checkpoint() -> None:
 def test_hyperparameters_are_plain_values() -> None:
     model = ImageClassifier(net=NET, lr=0.01, weight_decay=0.0, num_classes=10)
     expected = {"net": NET, "lr": 0.01, "weight_decay": 0.0, "num_classes": 10}
-    assert dict(model.hparams) == {**expected, "compile": False, "channels_last": False}
+    defaults = {"compile": False, "channels_last": False, "image_shape": (1, 28, 28)}
+    assert dict(model.hparams) == {**expected, **defaults}
 
 
 @pytest.mark.parametrize(

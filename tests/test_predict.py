@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from src.data import DATASETS, load_split
+from src.task.data.mnist import DATASETS, load_split
 from tests.conftest import N_TEST, read_metrics, run_entry
 from tests.test_eval import best_checkpoint
 

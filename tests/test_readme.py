@@ -17,7 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from math import prod
@@ -28,6 +28,7 @@ import yaml
 
 from tests.conftest import N_TEST, N_TRAIN, PROJECT, VAL_SIZE, mlflow_server
 from tests.idx_data import make_dataset
+from tests.image_data import make_image_folder
 
 README = PROJECT / "README.md"
 SHELL_BLOCKS = {"bash", "sh", "shell", "console"}
@@ -50,6 +51,8 @@ APPENDED: list[tuple[str, str | None]] = [
 SKIPPED: dict[str, str] = {
     r"^torchrun\b.*--nnodes[ =](?!1\b)": "two machines (node rank K, HOST_OF_NODE_0)",
     r"^srun\b": "runs inside an sbatch allocation on a SLURM cluster",
+    r"\bmodel=mlp\b": "the network that 'Make it yours' adds: tests/test_make_it_yours.py adds it "
+    "to a copy of the project and runs these",
     r"accelerator=gpu|--gpus\b": "needs a GPU",
     r"\$SKYPILOT_": "runs on the nodes of a SkyPilot cluster",
 }
@@ -419,20 +422,31 @@ COMMANDS = readme_commands(README.read_text())
 
 @pytest.fixture(scope="session")
 def readme_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A data root with tiny learnable MNIST and Fashion-MNIST (403 train, 131 test images)."""
+    """A data root with tiny learnable MNIST and Fashion-MNIST (403 train, 131 test images) and
+    an RGB image folder (``train/`` and ``test/``, 5 classes, 100 and 35 images)."""
     root = tmp_path_factory.mktemp("readme-data")
     for seed, folder in enumerate(("MNIST", "FashionMNIST")):
         make_dataset(root, folder, n_train=N_TRAIN, n_test=N_TEST, seed=seed, learnable=True)
+    make_image_folder(root, n_train=20, n_test=7)
     return root
 
 
 @pytest.fixture(scope="session")
-def readme_checkpoint(readme_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The last.ckpt of the README's plain ``python -m src.train`` (with ``APPENDED``)."""
-    workdir = tmp_path_factory.mktemp("readme-train")
-    tokens = ["python", "-m", "src.train"]
-    check_log(run_command([*tokens, *appended(tokens, readme_data)], workdir))
-    (checkpoint,) = workdir.glob("outputs/train/runs/*/checkpoints/last.ckpt")
+def readme_checkpoint(
+    readme_data: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str | None], Path]:
+    """The last.ckpt of the README's plain ``python -m src.train`` (with ``APPENDED``), for the
+    dataset a command names (``data=...``); trained once per dataset."""
+    trained: dict[str | None, Path] = {}
+
+    def checkpoint(data: str | None) -> Path:
+        if data not in trained:
+            workdir = tmp_path_factory.mktemp("readme-train")
+            tokens = ["python", "-m", "src.train", *([f"data={data}"] if data else [])]
+            check_log(run_command([*tokens, *appended(tokens, readme_data)], workdir))
+            (trained[data],) = workdir.glob("outputs/train/runs/*/checkpoints/last.ckpt")
+        return trained[data]
+
     return checkpoint
 
 
@@ -448,7 +462,8 @@ def test_readme_command(
         pytest.skip(reason)
     checkpoint = None
     if needs_checkpoint(command.tokens):
-        checkpoint = request.getfixturevalue("readme_checkpoint")
+        data = override(list(command.tokens), "data")
+        checkpoint = request.getfixturevalue("readme_checkpoint")(data)
     tokens = substitute(command.tokens, checkpoint)
     if unknown := unknown_placeholders(tokens):
         pytest.fail(

@@ -11,9 +11,9 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from src.shutdown import run_lifecycle
-from src.tracking import build_loggers, log_config
-from src.trainer import build_trainer
+from src.template.shutdown import run_lifecycle
+from src.template.tracking import build_loggers, log_config
+from src.template.trainer import build_trainer
 from tests.conftest import PROJECT, only_run
 from tests.test_config import compose_config
 
@@ -102,7 +102,7 @@ def test_watchdog_ends_a_job_whose_rank_zero_is_stuck(tmp_path: Path) -> None:
 import subprocess, sys, time
 from types import SimpleNamespace
 sys.path.insert(0, {str(PROJECT)!r})
-from src.shutdown import RankWatchdog
+from src.template.shutdown import RankWatchdog
 rank = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"])
 trainer = SimpleNamespace(loggers=[], callbacks=[], default_root_dir={str(tmp_path)!r})
 RankWatchdog([rank], 1, trainer, every_s=0.2, grace_s=1).start()

@@ -8,7 +8,7 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
 from mlflow import MlflowClient
 
-from src.tracking import (
+from src.template.tracking import (
     TrackingError,
     artifact_location,
     build_loggers,

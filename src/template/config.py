@@ -8,18 +8,20 @@ valid. :func:`check_keys` checks what YAML cannot know: that a section added to 
 
 import difflib
 import inspect
+import logging
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 from unittest import mock
 
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from src.reporting import show_error
+from src.template.reporting import show_error
 
 
 def run_entry_point(main: Callable[[], Any], expected: tuple[type[Exception], ...]) -> None:
@@ -92,6 +94,8 @@ def check_keys(
         return  # takes anything
     valid = [key for key in parameters if key not in set_by]
     for key in values:
+        if key == "name":  # which class: the selector, not a constructor argument
+            continue
         if key in set_by:
             raise ConfigError(f"{section}.{key} is set from {set_by[key]}; remove {section}.{key}")
         if key not in parameters:
@@ -100,3 +104,48 @@ def check_keys(
                 f"({getattr(target, '__name__', target)}){suggest(key, valid, section)}; "
                 f"valid keys: {', '.join(f'{section}.{k}' for k in valid)}"
             )
+
+
+def check_sections(cfg: DictConfig, targets: Mapping[str, tuple[Callable, Iterable[str]]]) -> None:
+    """:func:`check_keys` for each config section (``model.net``) and what it is passed to,
+    with the keys that are set from the data instead."""
+    for section, (target, set_by_data) in targets.items():
+        values = OmegaConf.select(cfg, section) or {}
+        check_keys(section, values, target, set_by=dict.fromkeys(set_by_data, "the data"))
+
+
+@contextmanager
+def as_config_error(section: str) -> Iterator[None]:
+    """Errors a constructor raises for a value a user typed (``model.net.dropout=1.5``, a
+    precision Lightning does not know) become one line naming the config section."""
+    try:
+        yield
+    except (TypeError, ValueError, ConfigError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"{section} settings refused: {reason}") from error
+
+
+@contextmanager
+def quiet(logger_name: str) -> Iterator[None]:
+    """Silence a logger's INFO lines (e.g. Lightning's hardware summary of a trial build)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def check_choice(key: str, value: Any, choices: Iterable[Any]) -> None:
+    choices = list(choices)
+    if value not in choices:
+        raise ConfigError(
+            f"{key}={value} is not valid; use {key}=" + f" or {key}=".join(map(str, choices))
+        )
+
+
+def check_count(key: str, value: Any, minimum: int) -> None:
+    """An integer setting of at least ``minimum`` (batch sizes, epochs, workers)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key}={value} is not valid: it must be a whole number >= {minimum}")

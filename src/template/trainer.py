@@ -13,17 +13,17 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpoint import AtomicCheckpointIO, BestCheckpoint, LastCheckpoint
-from src.config import check_keys
-from src.data import per_device_batch_size
-from src.distributed import (
+from src.template.checkpoint import AtomicCheckpointIO, BestCheckpoint, LastCheckpoint
+from src.template.config import as_config_error, check_count, check_keys, quiet
+from src.template.data import per_device_batch_size
+from src.template.distributed import (
     LogRankSetup,
     build_strategy,
     check_devices,
     requested_processes,
     use_sync_batchnorm,
 )
-from src.shutdown import StopOnSignal
+from src.template.shutdown import StopOnSignal
 
 # Trainer arguments that build_trainer sets from other config: key -> where to set it instead.
 SET_BY_TEMPLATE = {
@@ -50,9 +50,22 @@ def check_settings(cfg: DictConfig, fitting: bool) -> int:
     """
     check_devices(cfg.accelerator, cfg.devices, cfg.num_nodes)
     check_keys("trainer", cfg.trainer, L.Trainer, set_by=SET_BY_TEMPLATE)
+    if cfg.seed is not None:
+        check_count("seed", cfg.seed, 0)
+    check_count("data.batch_size", cfg.data.batch_size, 1)
     world = requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)
     if fitting:
+        # The learning rate decays over the planned epochs: there must be a plan.
+        check_count("trainer.max_epochs", cfg.trainer.max_epochs, 1)
         per_device_batch_size(cfg.data.batch_size, world)
+    # A trial build: Lightning's own checks of the trainer values, before anything is written.
+    with as_config_error("trainer"), quiet("lightning.pytorch.utilities.rank_zero"):
+        L.Trainer(
+            accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
+            strategy=build_strategy(cfg.strategy, world), logger=False, callbacks=[],
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            **OmegaConf.to_container(cfg.trainer, resolve=True),
+        )  # fmt: skip
     return world
 
 

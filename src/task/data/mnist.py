@@ -1,4 +1,4 @@
-"""MNIST / Fashion-MNIST: IDX reading, validated download and a batched LightningDataModule."""
+"""MNIST / Fashion-MNIST: IDX reading, validated download, and their DataModule."""
 
 from __future__ import annotations
 
@@ -11,16 +11,13 @@ import urllib.request
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
-from lightning.pytorch import LightningDataModule
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Sampler
 
-from src.distributed import GlobalBatchSampler, UnpaddedSampler
+from src.template.data import DataError, ImageDataModule
 
 FILES = (
     "train-images-idx3-ubyte",
@@ -28,11 +25,6 @@ FILES = (
     "t10k-images-idx3-ubyte",
     "t10k-labels-idx1-ubyte",
 )
-SPLITS = ("train", "val", "test")
-
-
-class DataError(RuntimeError):
-    """Bad/missing data: message says what is wrong and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +133,7 @@ def _offline_message(raw: Path, download: bool, detail: str = "") -> str:
 
 
 def load_split(root: Path, spec: DatasetSpec, train: bool) -> tuple[Tensor, Tensor]:
-    """Official train or test split as (uint8 [N,28,28], int64 [N])."""
+    """Official train or test split as (uint8 [N, 1, 28, 28], int64 [N])."""
     raw = Path(root) / spec.folder / "raw"
     prefix = "train" if train else "t10k"
     image_file = _find(raw, f"{prefix}-images-idx3-ubyte")
@@ -161,7 +153,7 @@ def load_split(root: Path, spec: DatasetSpec, train: bool) -> tuple[Tensor, Tens
             f"{label_file}: label {labels.max()} outside [0, {len(spec.classes)}) "
             f"for {spec.folder}; wrong dataset in this folder?"
         )
-    return torch.from_numpy(images), torch.from_numpy(labels).long()
+    return torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels).long()
 
 
 # --- downloading
@@ -225,77 +217,11 @@ def _fetch_from_mirrors(gz: str, raw: Path, spec: DatasetSpec, progress: Progres
     raise DataError(_offline_message(raw, download=True, detail=detail))
 
 
-# --- datasets
-
-
-class Batch(NamedTuple):
-    images: Tensor  # float32 [B,1,28,28], normalised
-    labels: Tensor  # int64 [B]
-    indices: Tensor  # int64 [B], position in the official file
-
-
-def keep_batch(batch: Batch) -> Batch:
-    """collate_fn: __getitems__ already returns a collated Batch (module-level so it pickles)."""
-    return batch
-
-
-class ImageBatches(Dataset):
-    """Whole batches with one vectorised index instead of B per-sample calls and a collate."""
-
-    def __init__(
-        self,
-        images: Tensor,
-        labels: Tensor,
-        mean: float,
-        std: float,
-        source_indices: Tensor | None = None,
-    ) -> None:
-        self.images, self.labels, self.mean, self.std = images, labels, mean, std
-        self.source_indices = (
-            torch.arange(len(images)) if source_indices is None else source_indices
-        )
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def digest(self) -> str:
-        """MD5 of the split's pixels and labels: tells whether two runs saw the same data."""
-        md5 = hashlib.md5(self.images.numpy().tobytes())
-        md5.update(self.labels.numpy().tobytes())
-        return md5.hexdigest()
-
-    def __getitems__(self, indices: list[int]) -> Batch:
-        idx = torch.as_tensor(indices, dtype=torch.long)
-        images = self.images[idx].unsqueeze(1).float().div_(255).sub_(self.mean).div_(self.std)
-        return Batch(images, self.labels[idx], self.source_indices[idx])
-
-    def __getitem__(self, i: int) -> Batch:
-        batch = self.__getitems__([i])
-        return Batch(batch.images[0], batch.labels[0], batch.indices[0])
-
-
 # --- data module
 
 
-def per_device_batch_size(global_batch: int, world_size: int, training: bool = True) -> int:
-    """The configured batch size is global so results don't change with the device count.
-
-    Training needs equal shares of every global batch; evaluation splits the data by samples,
-    so there each device takes up to ``ceil(batch_size / world_size)`` samples at a time.
-    """
-    if global_batch > 0 and not training:
-        return -(-global_batch // world_size)
-    if global_batch <= 0 or global_batch % world_size:
-        nearest = max(world_size, round(global_batch / world_size) * world_size)
-        raise DataError(
-            f"data.batch_size={global_batch} is the global batch size and must be divisible by "
-            f"the world size {world_size} (devices x num_nodes); use e.g. data.batch_size={nearest}"
-        )
-    return global_batch // world_size
-
-
-class MNISTDataModule(LightningDataModule):
-    """Train/val carved deterministically from the official train file; test is the t10k file."""
+class MNISTDataModule(ImageDataModule):
+    """MNIST or Fashion-MNIST (``name``) from IDX files in torchvision's raw layout."""
 
     def __init__(
         self,
@@ -309,34 +235,20 @@ class MNISTDataModule(LightningDataModule):
         shuffle_seed: int = 0,
         pin_memory: bool = False,
     ) -> None:
-        super().__init__()
         if name not in DATASETS:
             raise DataError(f"data.name={name!r} is unknown; valid names: {', '.join(DATASETS)}")
+        super().__init__()
         self.save_hyperparameters(logger=False)  # stored in checkpoints; tracking logs the config
         self.spec = DATASETS[name]
         self.root = Path(root).expanduser()
-        self.per_device_batch_size = batch_size
-        self.predict_split = "test"  # set by the predict entry point
-        self.train_set: ImageBatches | None = None
-        self.val_set: ImageBatches | None = None
-        self.test_set: ImageBatches | None = None
-
-    @property
-    def classes(self) -> tuple[str, ...]:
-        return self.spec.classes
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.spec.classes)
+        self.image_shape = (1, 28, 28)
+        self.classes = self.spec.classes
+        self.mean, self.std = (self.spec.mean,), (self.spec.std,)
+        self.source = str(self.raw_folder)
 
     @property
     def raw_folder(self) -> Path:
         return self.root / self.spec.folder / "raw"
-
-    def describe_splits(self) -> dict[str, tuple[int, str]]:
-        """Size and content digest of each loaded split, for experiment tracking."""
-        sets = {"train": self.train_set, "validation": self.val_set, "test": self.test_set}
-        return {name: (len(data), data.digest()) for name, data in sets.items() if data is not None}
 
     def prepare_data(self) -> None:
         raw = self.raw_folder
@@ -345,86 +257,5 @@ class MNISTDataModule(LightningDataModule):
                 raise DataError(_offline_message(raw, download=False))
             download(self.root, self.spec)
 
-    def setup(self, stage: str | None = None) -> None:
-        world = self.trainer.world_size if self.trainer is not None else 1
-        self.per_device_batch_size = per_device_batch_size(
-            self.hparams.batch_size, world, training=stage in (None, "fit")
-        )
-        self.load(stage)
-
-    def load(self, stage: str | None = None) -> None:
-        """Read and validate (once) the splits ``stage`` needs. The entry points call it before
-        any run or process starts, so missing, corrupt or too-small data fails first."""
-        if stage in (None, "fit", "validate") or (
-            stage == "predict" and self.predict_split != "test"
-        ):
-            self._load_train()
-        if stage in (None, "test") or (stage == "predict" and self.predict_split == "test"):
-            self._load_test()
-
-    def _load_train(self) -> None:
-        if self.train_set is not None:  # setup may run more than once
-            return
-        images, labels = load_split(self.root, self.spec, train=True)
-        n, val_size = len(labels), self.hparams.val_size
-        if not 0 < val_size < n:
-            raise DataError(
-                f"data.val_size={val_size} must be in (0, {n}) for {n} training samples"
-            )
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.split_seed))
-        val_idx, train_idx = perm[:val_size], perm[val_size:]
-        m, s = self.spec.mean, self.spec.std
-        self.val_set = ImageBatches(images[val_idx], labels[val_idx], m, s, val_idx)
-        self.train_set = ImageBatches(images[train_idx], labels[train_idx], m, s, train_idx)
-
-    def _load_test(self) -> None:
-        if self.test_set is None:
-            images, labels = load_split(self.root, self.spec, train=False)
-            self.test_set = ImageBatches(images, labels, self.spec.mean, self.spec.std)
-
-    def _world(self) -> tuple[int, int]:
-        """(world size, global rank): what the samplers split the data over."""
-        if self.trainer is None:
-            return 1, 0
-        return self.trainer.world_size, self.trainer.global_rank
-
-    def _on_gpu(self) -> bool:
-        return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-
-    def _loader(self, dataset: ImageBatches | None, sampler: Sampler) -> DataLoader:
-        if dataset is None:
-            raise DataError("dataloader requested before setup() loaded its split")
-        workers = self.hparams.num_workers
-        return DataLoader(
-            dataset,
-            batch_size=self.per_device_batch_size,
-            sampler=sampler,
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            # Only a GPU benefits; Lightning then copies pinned batches with non_blocking=True.
-            pin_memory=self.hparams.pin_memory and self._on_gpu(),
-            collate_fn=keep_batch,
-        )
-
-    def _eval_loader(self, dataset: ImageBatches | None) -> DataLoader:
-        """Every sample exactly once across ranks: exact val/test/predict metrics for any N."""
-        return self._loader(dataset, UnpaddedSampler(dataset, *self._world()))
-
-    def train_dataloader(self) -> DataLoader:
-        """The same global batches, in the same order, for any number of devices."""
-        sampler = GlobalBatchSampler(
-            self.train_set, *self._world(), self.hparams.batch_size, self.hparams.shuffle_seed
-        )
-        return self._loader(self.train_set, sampler)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._eval_loader(self.val_set)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._eval_loader(self.test_set)
-
-    def predict_dataloader(self) -> DataLoader:
-        if self.predict_split not in SPLITS:
-            raise DataError(f"predict split {self.predict_split!r} must be one of {SPLITS}")
-        (self._load_test if self.predict_split == "test" else self._load_train)()
-        return self._eval_loader(getattr(self, f"{self.predict_split}_set"))
+    def read(self, split: str) -> tuple[Tensor, Tensor]:
+        return load_split(self.root, self.spec, train=split == "train")

@@ -38,7 +38,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 from torch.utils.data import Dataset, DistributedSampler
 
-from src.shutdown import LAUNCHER_PID_ENV, RankWatchdog, watch_launcher
+from src.template.shutdown import LAUNCHER_PID_ENV, RankWatchdog, watch_launcher
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,11 @@ def check_devices(accelerator: str, devices: Any, num_nodes: Any) -> None:
             f"accelerator={accelerator} but no GPU is visible here (torch.cuda.device_count() "
             "is 0); use accelerator=cpu or accelerator=auto"
         )
+    if devices == -1 and not uses_gpu(accelerator):
+        raise ConfigError(
+            "devices=-1 means every GPU, and no GPU is used here; use devices=N for N "
+            "processes on the CPU"
+        )
     if gpu_indices and not uses_gpu(accelerator):
         raise ConfigError(
             f"devices={list(devices)} lists GPU indices but no GPU is used here; "
@@ -217,7 +222,7 @@ def use_sync_batchnorm(cfg: DictConfig) -> bool:
     """``strategy.sync_batchnorm`` where it can apply; where it cannot, a warning, never a crash."""
     if not cfg.strategy.sync_batchnorm:
         return False
-    if not cfg.model.net.batch_norm:
+    if not cfg.model.net.get("batch_norm", True):
         reason = "the model has no BatchNorm layers (model.net.batch_norm=false)"
     elif not uses_gpu(cfg.accelerator):
         reason = (

@@ -25,7 +25,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from src.distributed import SWEEP_JOB_ENV
+from src.template.distributed import SWEEP_JOB_ENV
 
 SQLITE_PREFIX = "sqlite:///"
 MASK = "***"
@@ -316,9 +316,7 @@ def log_outcome(
     logger = mlflow_logger(loggers)
     if logger is None:
         return
-    log_datasets(
-        logger, datamodule.describe_splits(), datamodule.raw_folder, datamodule.hparams.name
-    )
+    log_datasets(logger, datamodule.describe_splits(), datamodule.source, datamodule.name)
     files = [("", output_dir / "config.yaml"), ("", output_dir / "metrics.json")]
     files += [("checkpoints", Path(best_checkpoint))] if best_checkpoint else []
     files += [("figures", path) for path in figures]
@@ -327,7 +325,7 @@ def log_outcome(
 
 
 def log_datasets(
-    logger: MLFlowLogger, splits: Mapping[str, tuple[int, str]], source: Path, name: str
+    logger: MLFlowLogger, splits: Mapping[str, tuple[int, str]], source: str, name: str
 ) -> None:
     """MLflow dataset inputs, so the UI shows what data a run used: split, size, digest."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source

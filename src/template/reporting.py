@@ -22,8 +22,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.tree import Tree
 
-from src.data import ImageBatches
-from src.distributed import in_multirun
+from src.template.data import ImageBatches
+from src.template.distributed import in_multirun
 
 console = Console()
 errors = Console(stderr=True)
@@ -243,7 +243,11 @@ def save_test_figures(
     for ax, i in zip(axes.flatten(), wrong + [None] * (32 - len(wrong)), strict=True):
         ax.axis("off")
         if i is not None:
-            ax.imshow(dataset.images[i], cmap="gray")
+            image = dataset.images[i]  # uint8 [C, H, W] as read: no normalisation to undo
+            if image.shape[0] == 1:
+                ax.imshow(image[0], cmap="gray", vmin=0, vmax=255)
+            else:
+                ax.imshow(image.permute(1, 2, 0).numpy())
             ax.set_title(
                 f"true {classes[labels[i]]}\npred {classes[predicted[i]]} {confidence[i]:.2f}",
                 fontsize=7,

@@ -1,4 +1,4 @@
-"""Training logic around the ConvNet: loss, one set of torchmetrics per stage, optimiser.
+"""Training logic around a network: loss, one set of torchmetrics per stage, optimiser.
 
 Every reported number comes from a torchmetrics state, so under DDP it is synced exactly in
 ``compute()`` (sums of per-sample values and counts) instead of averaging per-rank means.
@@ -13,8 +13,8 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from src.data import Batch
-from src.net import ConvNet
+from src.task import nets
+from src.template.data import Batch
 
 
 def stage_metrics(num_classes: int) -> nn.ModuleDict:
@@ -32,8 +32,16 @@ def stage_metrics(num_classes: int) -> nn.ModuleDict:
     )
 
 
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 class ImageClassifier(L.LightningModule):
-    """Classifies images with a :class:`~src.net.ConvNet` built from ``net`` (config values)."""
+    """Classifies images with the network ``net`` names (``net.name``, see :mod:`src.task.nets`),
+    built for the data's ``image_shape`` (C, H, W) and ``num_classes``."""
+
+    # Keys the entry points set from the data, never from config.
+    SET_BY_DATA = ("num_classes", "image_shape")
 
     def __init__(
         self,
@@ -41,18 +49,24 @@ class ImageClassifier(L.LightningModule):
         lr: float,
         weight_decay: float = 0.0,
         num_classes: int = 10,
+        image_shape: tuple[int, int, int] = (1, 28, 28),
         compile: bool = False,
         channels_last: bool = False,
     ) -> None:
         super().__init__()
+        if not is_number(lr) or lr <= 0:
+            raise ValueError(f"model.lr={lr} must be a number > 0")
+        if not is_number(weight_decay) or weight_decay < 0:
+            raise ValueError(f"model.weight_decay={weight_decay} must be a number >= 0")
         # Only plain values go into checkpoints (loadable with weights_only=True); the tracking
         # module logs the whole resolved config, so Lightning's own hparams logging is off.
         self.save_hyperparameters(logger=False)
-        self.net = ConvNet(num_classes=num_classes, **net)
-        self.example_input_array = torch.zeros(1, 1, 28, 28)  # shapes and FLOPs in the summary
+        channels, height, width = image_shape
+        self.net = nets.build(net, channels, (height, width), num_classes)
+        self.example_input_array = torch.zeros(1, *image_shape)  # shapes, FLOPs in the summary
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         # torch.compile of the network's forward only: the module (and so the checkpoint keys)
-        # stays the plain ConvNet, and a plain function is not registered as a submodule.
+        # stays the plain network, and a plain function is not registered as a submodule.
         self.net_forward = torch.compile(self.net.forward) if compile else self.net.forward
         self.train_metrics = stage_metrics(num_classes)
         self.val_metrics = stage_metrics(num_classes)
@@ -116,6 +130,15 @@ class ImageClassifier(L.LightningModule):
             "label": batch.labels,
             "predicted": predicted,
             "confidence": confidence,
+        }
+
+    @staticmethod
+    def config_targets(net: dict[str, Any]) -> dict[str, tuple[Any, tuple[str, ...]]]:
+        """What each config section is passed to, and the keys set from the data instead: how
+        the template checks a config or a checkpoint's hyperparameters against this code."""
+        return {
+            "model": (ImageClassifier, ImageClassifier.SET_BY_DATA),
+            "model.net": (nets.net_class(net.get("name", nets.DEFAULT)), nets.SET_BY_DATA),
         }
 
     def configure_optimizers(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import random
 import shutil
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +31,6 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig
-
-from src.data import MNISTDataModule
-from src.model import ImageClassifier
-from src.net import ConvNet
 
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
@@ -138,7 +134,9 @@ def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:
     return saved
 
 
-def check_fits(saved: Mapping[str, Any], model: ImageClassifier, data_name: str, path: str) -> None:
+def check_fits(
+    saved: Mapping[str, Any], model: L.LightningModule, data_name: str, path: str
+) -> None:
     """Refuse to resume from a checkpoint of another dataset, network or kind (weights only)."""
     name = Path(path).name
     check_dataset(saved, data_name, name)
@@ -193,18 +191,23 @@ def check_weights_fit(
     raise CheckpointError(f"{name} does not fit this model: {problem}{hint}")
 
 
-def model_from_checkpoint(saved: Mapping[str, Any], name: str) -> ImageClassifier:
-    """Rebuild the trained model from a checkpoint's own hyperparameters.
+def model_from_checkpoint(
+    saved: Mapping[str, Any], name: str, model_class: type[L.LightningModule]
+) -> L.LightningModule:
+    """Rebuild the trained model from a checkpoint's own hyperparameters (the network included:
+    its name is one of them).
 
     A checkpoint from an older config may lack keys added since: they take today's defaults
     (with a warning naming them). Keys this code no longer knows, or a missing key that has no
-    default, are refused by name.
+    default, are refused by name. ``model_class.config_targets`` says what to compare against.
     """
     hparams = dict(saved.get("hyper_parameters", {}))
-    net = dict(hparams.get("net", {}))
-    unknown, missing, defaulted = compare_keys(hparams, ImageClassifier, "")
-    net_unknown, net_missing, net_defaulted = compare_keys(net, ConvNet, "net.")
-    unknown, missing = unknown + net_unknown, missing + net_missing
+    unknown, missing, defaulted = [], [], []
+    for section, (target, set_by) in model_class.config_targets(hparams.get("net", {})).items():
+        values = hparams if section == "model" else hparams.get(section.split(".", 1)[1], {})
+        prefix = section.removeprefix("model").lstrip(".")
+        found = compare_keys(values, target, f"{prefix}." if prefix else "", set_by)
+        unknown, missing, defaulted = unknown + found[0], missing + found[1], defaulted + found[2]
     problems = [f"keys this code does not know: {', '.join(unknown)}"] if unknown else []
     problems += [f"keys it lacks: {', '.join(missing)}"] if missing else []
     if problems:
@@ -212,13 +215,12 @@ def model_from_checkpoint(saved: Mapping[str, Any], name: str) -> ImageClassifie
             f"{name} was saved by a different version of the model: {'; '.join(problems)}. "
             "Load it with the code version that wrote it (its git.commit tag in MLflow)"
         )
-    if defaulted + net_defaulted:
+    if defaulted:
         warnings.warn(
-            f"{name} predates config keys {', '.join(defaulted + net_defaulted)}: "
-            "they take today's defaults",
+            f"{name} predates config keys {', '.join(defaulted)}: they take today's defaults",
             stacklevel=2,
         )
-    model = ImageClassifier(**hparams)
+    model = model_class(**hparams)
     # Only the network's tensors matter for inference (metric states may be newer or older).
     network = {key: value for key, value in model.state_dict().items() if key.startswith("net.")}
     weights = {key: value for key, value in saved["state_dict"].items() if key.startswith("net.")}
@@ -228,15 +230,16 @@ def model_from_checkpoint(saved: Mapping[str, Any], name: str) -> ImageClassifie
 
 
 def compare_keys(
-    values: Mapping[str, Any], target: type, prefix: str
+    values: Mapping[str, Any], target: Callable, prefix: str, set_by_data: tuple[str, ...]
 ) -> tuple[list[str], list[str], list[str]]:
-    """(unknown, missing without default, missing with default) keys of ``target``'s init."""
-    parameters = dict(inspect.signature(target.__init__).parameters)
-    parameters.pop("self")
-    if prefix == "net.":  # set by the code (ImageClassifier, the image format), not config
-        for key in ("num_classes", "in_channels", "image_size"):
-            parameters.pop(key, None)
-    unknown = [prefix + key for key in values if key not in parameters]
+    """(unknown, missing without default, missing with default) keys of ``target``'s init;
+    ``name`` (which network) and keys set from the data are not config keys of ``target``."""
+    parameters = dict(inspect.signature(target).parameters)
+    parameters.pop("self", None)
+    for key in set_by_data:
+        parameters.pop(key, None)
+    unknown = [prefix + key for key in values if key not in parameters and key != "name"]
+    unknown = [key for key in unknown if key.removeprefix(prefix) not in set_by_data]
     absent = [key for key in parameters if key not in values]
     missing = [prefix + key for key in absent if parameters[key].default is inspect.Parameter.empty]
     defaulted = [
@@ -248,8 +251,11 @@ def compare_keys(
 
 
 def load_for_inference(
-    ckpt_path: str | None, data: DictConfig
-) -> tuple[ImageClassifier, MNISTDataModule, dict[str, str] | None]:
+    ckpt_path: str | None,
+    data: DictConfig,
+    build_datamodule: Callable[[DictConfig], L.LightningDataModule],
+    model_class: type[L.LightningModule],
+) -> tuple[L.LightningModule, L.LightningDataModule, dict[str, str] | None]:
     """The checkpoint's model, a data module for ``data`` (refusing a dataset mismatch) and the
     MLflow run the checkpoint came from, if it was tracked.
 
@@ -258,7 +264,11 @@ def load_for_inference(
     saved = read_checkpoint(ckpt_path)
     name = Path(ckpt_path).name
     check_dataset(saved, data.name, name)
-    return model_from_checkpoint(saved, name), MNISTDataModule(**data), saved.get("mlflow")
+    model = model_from_checkpoint(saved, name, model_class)
+    datamodule = build_datamodule(data)
+    # Lightning saves the DataModule's state under its class name (here: its normalisation).
+    datamodule.load_state_dict(saved.get(type(datamodule).__qualname__, {}))
+    return model, datamodule, saved.get("mlflow")
 
 
 class SeedEachBatch(Callback):

@@ -1,4 +1,4 @@
-"""The network: a plain ``nn.Module`` with no training logic, built from config values."""
+"""``model=convnet``: a small ConvNet, a plain ``nn.Module`` built from config values."""
 
 from collections.abc import Sequence
 
@@ -17,7 +17,7 @@ class ConvNet(nn.Module):
         self,
         in_channels: int = 1,
         num_classes: int = 10,
-        image_size: int = 28,
+        image_size: Sequence[int] = (28, 28),
         channels: Sequence[int] = (32, 64),
         hidden: int = 128,
         dropout: float = 0.25,
@@ -25,19 +25,19 @@ class ConvNet(nn.Module):
     ) -> None:
         super().__init__()
         blocks: list[nn.Module] = []
-        size = image_size
-        for width in channels:
+        height, width = image_size
+        for channels_out in channels:
             blocks += [
-                nn.Conv2d(in_channels, width, kernel_size=3, padding=1, bias=not batch_norm),
-                nn.BatchNorm2d(width) if batch_norm else nn.Identity(),
+                nn.Conv2d(in_channels, channels_out, 3, padding=1, bias=not batch_norm),
+                nn.BatchNorm2d(channels_out) if batch_norm else nn.Identity(),
                 nn.ReLU(inplace=True),
                 nn.MaxPool2d(2),
             ]
-            in_channels, size = width, size // 2
+            in_channels, height, width = channels_out, height // 2, width // 2
         self.features = nn.Sequential(*blocks)
         self.classifier = nn.Sequential(
             nn.Flatten(),
-            nn.Linear(in_channels * size * size, hidden),
+            nn.Linear(in_channels * height * width, hidden),
             nn.ReLU(inplace=True),
             nn.Dropout(dropout),
             nn.Linear(hidden, num_classes),
@@ -46,3 +46,6 @@ class ConvNet(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Map a float batch [B, C, H, W] to class logits [B, num_classes]."""
         return self.classifier(self.features(images))
+
+
+Net = ConvNet

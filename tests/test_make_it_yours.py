@@ -1,0 +1,108 @@
+"""The README's "Make it yours" steps, followed for real: a small RGB image folder trained with
+both shipped networks on 2 ranks, evaluated on 3 ranks exactly as on 1, predicted, with colour
+figures; then a network added as one module and one config file, copied from the README's own
+code blocks into a copy of the project, trained and evaluated there."""
+
+import csv
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import PROJECT, read_metrics, run_entry
+from tests.image_data import make_image_folder
+
+pytestmark = pytest.mark.slow
+
+N_TRAIN, N_TEST, VAL = 20, 7, 20  # per class (5 classes), and the validation samples
+TEST_SAMPLES = 5 * N_TEST  # 35: splits unevenly over 2 and 3 ranks
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_image_folder(tmp_path_factory.mktemp("my_images"), N_TRAIN, N_TEST)
+
+
+def tiny(images: Path) -> list[str]:
+    return [
+        "data=image_folder", f"data.root={images}", f"data.val_size={VAL}",
+        "data.batch_size=20", "trainer.max_epochs=2", "callbacks.progress_bar=none",
+    ]  # fmt: skip
+
+
+def readme_files() -> dict[str, str]:
+    """The code blocks of the README's "Make it yours" whose first line names their file."""
+    text = (PROJECT / "README.md").read_text()
+    section = text[text.index("## Make it yours") :]
+    section = section[: section.index("\n## ", 1)]
+    blocks = re.findall(r"```(?:python|yaml)\n# (\S+)\n(.*?)```", section, re.DOTALL)
+    return {path: f"# {path}\n{body}" for path, body in blocks}
+
+
+def only(folder: Path, pattern: str) -> Path:
+    (path,) = folder.glob(pattern)
+    return path
+
+
+@pytest.mark.parametrize("net", ["convnet", "resnet"])
+def test_rgb_images_with_each_network(net: str, images: Path, tmp_path: Path) -> None:
+    run_entry("train", *tiny(images), f"model={net}", "strategy=ddp", "devices=2", cwd=tmp_path)
+    run = only(tmp_path / "outputs" / "train" / "runs", "*")
+    assert read_metrics(run)["test/samples"] == TEST_SAMPLES
+    ckpt = run / "checkpoints" / "last.ckpt"
+    evals = {}
+    for devices in (1, 3):
+        run_entry(
+            "eval", *tiny(images), f"ckpt_path={ckpt}", "strategy=ddp", f"devices={devices}",
+            "logger=none", f"hydra.run.dir={tmp_path / f'eval{devices}'}", cwd=tmp_path,
+        )  # fmt: skip
+        evals[devices] = read_metrics(tmp_path / f"eval{devices}")
+    assert evals[3]["test/samples"] == evals[1]["test/samples"] == TEST_SAMPLES
+    assert evals[3]["test/acc"] == evals[1]["test/acc"]
+    assert evals[3]["test/loss"] == pytest.approx(evals[1]["test/loss"], abs=1e-6)
+    run_entry("predict", *tiny(images), f"ckpt_path={ckpt}", cwd=tmp_path)
+    with only(tmp_path / "outputs" / "predict" / "runs", "*/predictions_test.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert [int(row["index"]) for row in rows] == list(range(TEST_SAMPLES))
+    for figure in ("confusion_matrix_test.png", "misclassified_test.png"):
+        picture = np.asarray(Image.open(run / "figures" / figure).convert("RGB")).astype(int)
+        assert picture.shape[0] > 100
+    grid = np.asarray(Image.open(run / "figures" / "misclassified_test.png").convert("RGB"))
+    spread = np.abs(grid[..., 0].astype(int) - grid[..., 1].astype(int)).max()
+    assert spread > 100, "RGB images are shown in colour"
+
+
+def test_a_new_network_is_one_module_and_one_config(images: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "project"
+    shutil.copytree(
+        PROJECT, copy,
+        ignore=shutil.ignore_patterns(".git", ".venv", "outputs", "data", "mlruns", "mlartifacts",
+                                      "*.db", "__pycache__", "*.egg-info", "wheelhouse"),
+    )  # fmt: skip
+    files = readme_files()
+    assert set(files) == {"src/task/nets/mlp.py", "conf/model/mlp.yaml"}, files
+    for path, text in files.items():
+        (copy / path).write_text(text)
+    env = {"PYTHONPATH": str(copy)}
+    run_entry(
+        "train", *tiny(images), "model=mlp", "model.net.hidden=32", "logger=none",
+        "strategy=ddp", "devices=2", "strategy.sync_batchnorm=true",  # a network without BN
+        cwd=copy, env=env,
+    )  # fmt: skip
+    run = only(copy / "outputs" / "train" / "runs", "*")
+    metrics = read_metrics(run)
+    run_entry(
+        "eval", *tiny(images), f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", "logger=none",
+        f"hydra.run.dir={tmp_path / 'eval'}", cwd=copy, env=env,
+    )  # fmt: skip
+    assert read_metrics(tmp_path / "eval")["test/samples"] == metrics["test/samples"]
+    proc = run_entry(
+        "train", *tiny(images), "model=mlp", "+model.net.depth=3", cwd=copy, env=env, check=False
+    )
+    assert proc.returncode == 1
+    assert "model.net.depth is not a setting of model.net (MLP); valid keys: model.net.hidden" in (
+        " ".join(proc.stderr.split())
+    )
