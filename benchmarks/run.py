@@ -109,15 +109,15 @@ def template_epoch(datamodule_args: dict, batch: int, steps: int) -> float:
 FIRST_STEP = """
 import os, sys, time
 from lightning.pytorch.callbacks import Callback
-import src.trainer
+import src.template.trainer
 
 class FirstStep(Callback):
     def on_train_batch_end(self, *args):
         print("FIRST_STEP", time.time(), flush=True)
         os._exit(0)
 
-build = src.trainer.build_callbacks
-src.trainer.build_callbacks = lambda *a, **k: [*build(*a, **k), FirstStep()]
+build = src.template.trainer.build_callbacks
+src.template.trainer.build_callbacks = lambda *a, **k: [*build(*a, **k), FirstStep()]
 sys.argv = ["src.train", *sys.argv[1:]]
 import runpy
 runpy.run_module("src.train", run_name="__main__")

@@ -9,14 +9,14 @@ from pathlib import Path
 import hydra
 import lightning.pytorch as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.task.data import build_datamodule, datamodule_class
+from src.task.data import datamodule_class
 from src.task.model import ImageClassifier
 from src.task.nets import UnknownNetwork
 from src.template import reporting, tracking
 from src.template.checkpoint import CheckpointError, load_for_inference
-from src.template.config import check_choice, check_keys, run_entry_point
+from src.template.config import check_choice, check_keys, run_entry_point, typed_keys
 from src.template.data import DataError
 from src.template.distributed import job_scope
 from src.template.shutdown import RankFailed, run_lifecycle
@@ -27,10 +27,13 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     check_choice("split", cfg.split, ("test", "val"))
     check_settings(cfg, fitting=False)
     check_keys("data", cfg.data, datamodule_class(cfg.data.name))
-    L.seed_everything(cfg.seed, workers=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    data = OmegaConf.to_container(cfg.data, resolve=True)
     model, datamodule, source = load_for_inference(
-        cfg.ckpt_path, cfg.data, build_datamodule, ImageClassifier
+        cfg.ckpt_path, data, typed_keys("data"), datamodule_class, ImageClassifier
     )
+    with open_dict(cfg):  # what was used: the checkpoint's data settings
+        cfg.data = OmegaConf.create(dict(datamodule.hparams))
     datamodule.prepare_data()
     datamodule.load({"test": "test", "val": "validate"}[cfg.split])  # bad data fails now
     reporting.show_config(cfg)

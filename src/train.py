@@ -33,7 +33,7 @@ def train(cfg: DictConfig) -> float | None:
     check_sections(cfg, {"data": (data_class, ()), **ImageClassifier.config_targets(cfg.model.net)})
     if in_multirun() and world_size > 1:
         return run_sweep_job_in_own_process(cfg.optimized_metric)  # see src/template/distributed.py
-    seed = L.seed_everything(cfg.seed, workers=True)
+    seed = L.seed_everything(cfg.seed, workers=True, verbose=False)
     # Everything that can be checked is checked before a run or a rank process exists.
     datamodule = build_datamodule(cfg.data)
     datamodule.prepare_data()
@@ -46,7 +46,7 @@ def train(cfg: DictConfig) -> float | None:
         )
     resume = checkpoint.read_checkpoint(cfg.ckpt_path) if cfg.ckpt_path else None
     if resume:
-        checkpoint.check_fits(resume, model, cfg.data.name, cfg.ckpt_path)
+        checkpoint.check_fits(resume, model, datamodule, cfg.ckpt_path)
     reporting.show_config(cfg)
     loggers = tracking.build_loggers(cfg, continue_run=tracking.run_to_continue(resume, cfg))
     extra = [checkpoint.SeedEachBatch(seed), *tracking.callbacks(loggers, cfg)]
@@ -56,7 +56,8 @@ def train(cfg: DictConfig) -> float | None:
         tracking.log_config(loggers, cfg, trainer)
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
-        best = trainer.checkpoint_callback.best_model_path
+        # The best checkpoint by the monitored metric; without validation, the last one.
+        best = trainer.checkpoint_callback.best_model_path or str(out / "checkpoints/last.ckpt")
         metrics.update(trainer.test(model, datamodule=datamodule, ckpt_path=best)[0])
         reporting.report_metrics(metrics, out)
         test_set, classes = datamodule.test_set, datamodule.classes

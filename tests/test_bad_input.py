@@ -57,7 +57,8 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         (["+trainer.devices=2"], "trainer.devices is set from the top-level key devices"),
         (
             ["data=cifar10"],
-            "data=cifar10 is not an option of the 'data' group; options: fashion_mnist, mnist",
+            "data=cifar10 is not an option of the 'data' group; options: fashion_mnist, "
+            "image_folder, mnist",
         ),
         (["model=nope"], "model=nope is not an option of the 'model' group; options: convnet"),
         (["model.lr=["], "model.lr=[ is not a valid override"),

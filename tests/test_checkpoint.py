@@ -8,7 +8,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.task.data import build_datamodule
+from src.task.data import datamodule_class
+from src.task.data.mnist import MNISTDataModule
 from src.task.model import ImageClassifier
 from src.template.checkpoint import (
     AtomicCheckpointIO,
@@ -64,11 +65,15 @@ def test_read_checkpoint_refuses_what_is_not_one(tmp_path: Path) -> None:
         read_checkpoint(str(tmp_path / "plain.pt"))
 
 
-def test_a_checkpoint_of_another_shape_names_the_layer_and_the_keys() -> None:
+def tiny_mnist(root: Path, name: str = "mnist") -> MNISTDataModule:
+    return MNISTDataModule(name=name, root=str(root), download=False, batch_size=8, val_size=2)
+
+
+def test_a_checkpoint_of_another_shape_names_the_layer_and_the_keys(tmp_path: Path) -> None:
     saved = training_checkpoint(ImageClassifier(net=NET, lr=0.1))
     other = ImageClassifier(net={**NET, "channels": [4, 16]}, lr=0.1)
     with pytest.raises(CheckpointError) as error:
-        check_fits(saved, other, "mnist", "last.ckpt")
+        check_fits(saved, other, tiny_mnist(tmp_path), "last.ckpt")
     assert str(error.value) == (
         "last.ckpt does not fit this model: layer net.features.0.weight is (8, 1, 3, 3) in the "
         "checkpoint but (4, 1, 3, 3) in this model; the checkpoint was trained with "
@@ -76,14 +81,18 @@ def test_a_checkpoint_of_another_shape_names_the_layer_and_the_keys() -> None:
     )
 
 
-def test_resuming_needs_a_full_checkpoint_of_the_same_dataset() -> None:
+def test_resuming_needs_a_full_checkpoint_of_the_same_data(tmp_path: Path) -> None:
     model = ImageClassifier(net=NET, lr=0.1)
     with pytest.raises(CheckpointError, match="trained on mnist but data=fashion_mnist"):
-        check_fits(training_checkpoint(model), model, "fashion_mnist", "last.ckpt")
+        check_fits(training_checkpoint(model), model, tiny_mnist(tmp_path, "fashion_mnist"), "x")
+    other_split = training_checkpoint(model)
+    other_split["datamodule_hyper_parameters"] = {**tiny_mnist(tmp_path).hparams, "val_size": 3}
+    with pytest.raises(CheckpointError, match=r"trained with data.val_size=3 \(here 2\); resume"):
+        check_fits(other_split, model, tiny_mnist(tmp_path), "last.ckpt")
     weights_only = training_checkpoint(model)
     del weights_only["optimizer_states"]
     with pytest.raises(CheckpointError, match="holds weights only and cannot resume"):
-        check_fits(weights_only, model, "mnist", "last.ckpt")
+        check_fits(weights_only, model, tiny_mnist(tmp_path), "last.ckpt")
 
 
 def test_checkpoint_of_an_older_config_loads_with_todays_defaults(tmp_path: Path) -> None:
@@ -97,7 +106,7 @@ def test_checkpoint_of_an_older_config_loads_with_todays_defaults(tmp_path: Path
     data.update(batch_size=8, val_size=2)
     with pytest.warns(UserWarning, match=r"predates config keys channels_last=False, net.dropou"):
         model, _, _ = load_for_inference(
-            str(tmp_path / "old.ckpt"), data, build_datamodule, ImageClassifier
+            str(tmp_path / "old.ckpt"), data, set(), datamodule_class, ImageClassifier
         )
     for name, tensor in trained.net.state_dict().items():
         assert torch.equal(model.net.state_dict()[name], tensor)
@@ -110,7 +119,9 @@ def test_checkpoint_with_keys_this_code_does_not_know_names_them(tmp_path: Path)
     torch.save(saved, tmp_path / "new.ckpt")
     data = OmegaConf.create({"name": "mnist"})
     with pytest.raises(CheckpointError) as error:
-        load_for_inference(str(tmp_path / "new.ckpt"), data, build_datamodule, ImageClassifier)
+        load_for_inference(
+            str(tmp_path / "new.ckpt"), data, set(), datamodule_class, ImageClassifier
+        )
     assert "keys this code does not know: net.activation; keys it lacks: lr" in str(error.value)
 
 

@@ -33,7 +33,7 @@ def test_rgb_folders_become_the_contracts_tensors(tmp_path: Path) -> None:
         __import__("numpy").asarray(Image.open(tmp_path / "test/circle/0000.png"))
     )
     assert torch.equal(dm.test_set.images[0], first.permute(2, 0, 1))
-    assert len(dm.mean) == len(dm.std) == 3 and dm.state_dict() == {"mean": dm.mean, "std": dm.std}
+    assert len(dm.mean) == len(dm.std) == 3 and dm.state_dict()["std"] == dm.std
     batch = dm.test_set.__getitems__([0, 1])
     assert batch.images.shape == (2, 3, 32, 32) and batch.images.dtype == torch.float32
 
@@ -73,3 +73,11 @@ def test_unusable_folders_are_named(tmp_path: Path, break_it, message: str) -> N
 def test_no_train_folder(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=f"{tmp_path}/train is not a folder: data.root must hold"):
         datamodule(tmp_path)
+
+
+def test_a_model_trained_on_other_classes_is_refused(tmp_path: Path) -> None:
+    make_image_folder(tmp_path, n_train=2, n_test=1)
+    dm = datamodule(tmp_path)
+    trained = {**dm.state_dict(), "classes": ["apple", *CLASSES[1:]]}
+    with pytest.raises(DataError, match=r"has classes \['circle', .* trained on \['apple'"):
+        dm.load_state_dict(trained)

@@ -423,11 +423,11 @@ COMMANDS = readme_commands(README.read_text())
 @pytest.fixture(scope="session")
 def readme_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data root with tiny learnable MNIST and Fashion-MNIST (403 train, 131 test images) and
-    an RGB image folder (``train/`` and ``test/``, 5 classes, 100 and 35 images)."""
+    an RGB image folder (``train/`` and ``test/``, 5 classes, 300 and 35 images)."""
     root = tmp_path_factory.mktemp("readme-data")
     for seed, folder in enumerate(("MNIST", "FashionMNIST")):
         make_dataset(root, folder, n_train=N_TRAIN, n_test=N_TEST, seed=seed, learnable=True)
-    make_image_folder(root, n_train=20, n_test=7)
+    make_image_folder(root, n_train=60, n_test=7)
     return root
 
 

@@ -30,7 +30,6 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
-from omegaconf import DictConfig
 
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
@@ -135,11 +134,23 @@ def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:
 
 
 def check_fits(
-    saved: Mapping[str, Any], model: L.LightningModule, data_name: str, path: str
+    saved: Mapping[str, Any], model: L.LightningModule, datamodule: Any, path: str
 ) -> None:
-    """Refuse to resume from a checkpoint of another dataset, network or kind (weights only)."""
+    """Refuse to resume from a checkpoint of another dataset, data settings (image size,
+    channels, validation split, ...), network or kind (weights only)."""
     name = Path(path).name
-    check_dataset(saved, data_name, name)
+    check_dataset(saved, datamodule.hparams.name, name)
+    trained = saved.get("datamodule_hyper_parameters", {})
+    differing = [
+        f"data.{key}={trained[key]} (here {datamodule.hparams[key]})"
+        for key in type(datamodule).CONTENT_KEYS
+        if key in trained and plain(trained[key]) != plain(datamodule.hparams[key])
+    ]
+    if differing:
+        raise CheckpointError(
+            f"{name} was trained with {', '.join(differing)}; resume with the same data settings"
+        )
+    datamodule.load_state_dict(saved.get(type(datamodule).__qualname__, {}))  # same classes
     check_weights_fit(saved, model.state_dict(), name, model.hparams)
     if "optimizer_states" not in saved or "loops" not in saved:
         raise CheckpointError(
@@ -250,22 +261,61 @@ def compare_keys(
     return unknown, missing, defaulted
 
 
+def plain(value: Any) -> Any:
+    """Lists and tuples compare equal when their items do (a config list, a saved tuple)."""
+    return [plain(item) for item in value] if isinstance(value, list | tuple) else value
+
+
+def data_for_inference(
+    saved: Mapping[str, Any],
+    data: Mapping[str, Any],
+    typed: set[str],
+    data_class: Callable[[str], type],
+    name: str,
+) -> dict[str, Any]:
+    """The data settings eval and predict use: the checkpoint's (what the data is and where it
+    was), except the keys the command typed (``data.root=...``, ``data.batch_size=...``). A
+    typed key that changes what the data is (``CONTENT_KEYS``: image size, channels, the
+    validation split, ...) is refused: the model was trained on the checkpoint's."""
+    trained = saved.get("datamodule_hyper_parameters")
+    if not trained:  # written before checkpoints held their data settings
+        return dict(data)
+    if typed & {"", "name"}:  # the command chose a dataset: it must be the checkpoint's
+        check_dataset(saved, data["name"], name)
+    content = data_class(trained["name"]).CONTENT_KEYS
+    differing = [
+        f"data.{key}={trained[key]} (here {data[key]})"
+        for key in content
+        if key in typed and key in trained and plain(trained[key]) != plain(data[key])
+    ]
+    if differing:
+        raise CheckpointError(
+            f"{name} was trained with {', '.join(differing)}; eval and predict use the "
+            "checkpoint's data settings: leave these out"
+        )
+    # Keys newer than the checkpoint come from the command's config of the same dataset.
+    base = dict(data) if data.get("name") == trained["name"] else {}
+    return {**base, **trained, **{key: data[key] for key in typed if key in data}}
+
+
 def load_for_inference(
     ckpt_path: str | None,
-    data: DictConfig,
-    build_datamodule: Callable[[DictConfig], L.LightningDataModule],
+    data: Mapping[str, Any],
+    typed: set[str],
+    data_class: Callable[[str], type],
     model_class: type[L.LightningModule],
 ) -> tuple[L.LightningModule, L.LightningDataModule, dict[str, str] | None]:
-    """The checkpoint's model, a data module for ``data`` (refusing a dataset mismatch) and the
-    MLflow run the checkpoint came from, if it was tracked.
+    """The checkpoint's model, a data module with the checkpoint's data settings (see
+    :func:`data_for_inference`; ``typed``: the ``data`` keys the command set) and the MLflow
+    run the checkpoint came from, if it was tracked.
 
     Checkpoints hold plain values only, so they load with ``weights_only=True``.
     """
     saved = read_checkpoint(ckpt_path)
     name = Path(ckpt_path).name
-    check_dataset(saved, data.name, name)
+    values = data_for_inference(saved, data, typed, data_class, name)
     model = model_from_checkpoint(saved, name, model_class)
-    datamodule = build_datamodule(data)
+    datamodule = data_class(values["name"])(**values)
     # Lightning saves the DataModule's state under its class name (here: its normalisation).
     datamodule.load_state_dict(saved.get(type(datamodule).__qualname__, {}))
     return model, datamodule, saved.get("mlflow")

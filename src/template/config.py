@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 from unittest import mock
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from omegaconf import DictConfig, OmegaConf
@@ -149,3 +150,18 @@ def check_count(key: str, value: Any, minimum: int) -> None:
     """An integer setting of at least ``minimum`` (batch sizes, epochs, workers)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{key}={value} is not valid: it must be a whole number >= {minimum}")
+
+
+def typed_keys(section: str) -> set[str]:
+    """The keys of ``section`` the command line set (``data.root=...``, ``+data.x=...``), and
+    ``""`` where it chose the section's group option itself (``data=mnist``)."""
+    if not HydraConfig.initialized():
+        return set()
+    keys = set()
+    for override in HydraConfig.get().overrides.task:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key == section:
+            keys.add("")
+        elif key.startswith(f"{section}."):
+            keys.add(key.removeprefix(f"{section}.").split(".")[0])
+    return keys

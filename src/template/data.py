@@ -110,6 +110,10 @@ class ImageDataModule(LightningDataModule):
     """Train and validation carved from the official train split, test is the test split; the
     loaders give exact results for any number of devices. Subclasses implement :meth:`read`."""
 
+    # Config keys that say what the data is (not where it is or how it is loaded): eval and
+    # predict take them from the checkpoint, and resuming with other values is refused.
+    CONTENT_KEYS: tuple[str, ...] = ("name", "val_size", "split_seed")
+
     image_shape: tuple[int, int, int]
     classes: tuple[str, ...]
     mean: tuple[float, ...]
@@ -144,11 +148,17 @@ class ImageDataModule(LightningDataModule):
         return len(self.classes)
 
     def state_dict(self) -> dict[str, Any]:
-        """Saved in checkpoints: eval and predict normalise as training did, also where the
-        statistics were computed from the training split."""
-        return {"mean": self.mean, "std": self.std}
+        """Saved in checkpoints: eval and predict normalise as training did (also where the
+        statistics were computed from the training split) and know the class names."""
+        return {"mean": self.mean, "std": self.std, "classes": list(self.classes)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        trained = tuple(state_dict.get("classes", self.classes))
+        if trained != tuple(self.classes):
+            raise DataError(
+                f"{self.source} has classes {list(self.classes)} but the model was trained on "
+                f"{list(trained)}; use data that has the same classes"
+            )
         self.mean, self.std = state_dict.get("mean", self.mean), state_dict.get("std", self.std)
 
     def describe_splits(self) -> dict[str, tuple[int, str]]:

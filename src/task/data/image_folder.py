@@ -14,7 +14,7 @@ from torch import Tensor
 
 from src.template.data import DataError, ImageDataModule
 
-EXTENSIONS = {".png", ".jpg", ".jpeg"}
+EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 MODES = {1: "L", 3: "RGB"}
 
 
@@ -25,7 +25,7 @@ def class_folders(split_dir: Path) -> list[Path]:
             f"{split_dir} is not a folder: data.root must hold train/ and test/, each with one "
             "sub-folder of images per class"
         )
-    folders = sorted(path for path in split_dir.iterdir() if path.is_dir())
+    folders = sorted(p for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not folders:
         raise DataError(f"{split_dir} has no class folders (one sub-folder of images per class)")
     return folders
@@ -42,6 +42,10 @@ def decode(path: Path, mode: str, size: tuple[int, int]) -> np.ndarray:
     """One image as ``uint8 [H, W, C]`` in ``mode``, resized to ``size`` (H, W) if needed."""
     try:
         with Image.open(path) as image:
+            if image.mode.startswith("I"):  # 16- or 32-bit integers: scale, do not clip
+                image = Image.fromarray(
+                    (np.asarray(image, np.float64) / 257).clip(0, 255).astype(np.uint8)
+                )
             image = image.convert(mode)
             if image.size != (size[1], size[0]):
                 image = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
@@ -70,6 +74,8 @@ class ImageFolderDataModule(ImageDataModule):
     """Classes are the sub-folders of ``train/`` (``test/`` must have the same ones); images
     are decoded as ``channels`` (1: grayscale, 3: RGB) at ``image_size`` (H, W)."""
 
+    CONTENT_KEYS = (*ImageDataModule.CONTENT_KEYS, "image_size", "channels", "mean", "std")
+
     def __init__(
         self,
         name: str,
@@ -94,7 +100,7 @@ class ImageFolderDataModule(ImageDataModule):
         self.save_hyperparameters(logger=False)  # stored in checkpoints; tracking logs the config
         self.root = Path(root).expanduser()
         self.image_shape = (channels, *size)
-        self.source = str(self.root)
+        self.source = str(self.root.resolve())
         self.classes = tuple(folder.name for folder in class_folders(self.root / "train"))
         self.mean = tuple(mean) if mean is not None else None
         self.std = tuple(std) if std is not None else None

@@ -244,7 +244,7 @@ class MNISTDataModule(ImageDataModule):
         self.image_shape = (1, 28, 28)
         self.classes = self.spec.classes
         self.mean, self.std = (self.spec.mean,), (self.spec.std,)
-        self.source = str(self.raw_folder)
+        self.source = str(self.raw_folder.resolve())
 
     @property
     def raw_folder(self) -> Path:
