@@ -17,14 +17,15 @@ from src.task.nets import UnknownNetwork
 from src.template import reporting, tracking
 from src.template.checkpoint import CheckpointError, load_for_inference
 from src.template.config import check_choice, check_keys, run_entry_point, typed_keys
-from src.template.data import DataError
+from src.template.data import DataError, ImageDataModule
 from src.template.distributed import job_scope
 from src.template.shutdown import RankFailed, run_lifecycle
 from src.template.trainer import build_trainer, check_settings
 
 
-def evaluate(cfg: DictConfig) -> dict[str, float]:
-    check_choice("split", cfg.split, ("test", "val"))
+def from_checkpoint(cfg: DictConfig) -> tuple[ImageClassifier, ImageDataModule, dict | None]:
+    """The checked settings, then the checkpoint's model, its data (``cfg.data`` becomes what
+    is used) and its MLflow run: what ``src.eval`` and ``src.predict`` start from."""
     check_settings(cfg, fitting=False)
     check_keys("data", cfg.data, datamodule_class(cfg.data.name))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -32,8 +33,14 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     model, datamodule, source = load_for_inference(
         cfg.ckpt_path, data, typed_keys("data"), datamodule_class, ImageClassifier
     )
-    with open_dict(cfg):  # what was used: the checkpoint's data settings
+    with open_dict(cfg):
         cfg.data = OmegaConf.create(dict(datamodule.hparams))
+    return model, datamodule, source
+
+
+def evaluate(cfg: DictConfig) -> dict[str, float]:
+    check_choice("split", cfg.split, ("test", "val"))
+    model, datamodule, source = from_checkpoint(cfg)
     datamodule.prepare_data()
     datamodule.load({"test": "test", "val": "validate"}[cfg.split])  # bad data fails now
     reporting.show_config(cfg)

@@ -7,32 +7,22 @@ confidence), in dataset order; its path is printed at the end.
 from pathlib import Path
 
 import hydra
-import lightning.pytorch as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
-from src.task.data import datamodule_class
-from src.task.model import ImageClassifier
+from src.eval import from_checkpoint
 from src.task.nets import UnknownNetwork
 from src.template import reporting, tracking
-from src.template.checkpoint import CheckpointError, load_for_inference
-from src.template.config import check_choice, check_keys, run_entry_point, typed_keys
+from src.template.checkpoint import CheckpointError
+from src.template.config import check_choice, run_entry_point
 from src.template.data import DataError
 from src.template.distributed import job_scope
-from src.template.trainer import build_trainer, check_settings
+from src.template.trainer import build_trainer
 
 
 def predict(cfg: DictConfig) -> Path:
     check_choice("split", cfg.split, ("test", "val", "train"))
-    check_settings(cfg, fitting=False)
-    check_keys("data", cfg.data, datamodule_class(cfg.data.name))
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    data = OmegaConf.to_container(cfg.data, resolve=True)
-    model, datamodule, source = load_for_inference(
-        cfg.ckpt_path, data, typed_keys("data"), datamodule_class, ImageClassifier
-    )
-    with open_dict(cfg):  # what was used: the checkpoint's data settings
-        cfg.data = OmegaConf.create(dict(datamodule.hparams))
+    model, datamodule, source = from_checkpoint(cfg)  # shared with src.eval
     datamodule.predict_split = cfg.split
     datamodule.prepare_data()
     datamodule.load("predict")  # bad data fails now
