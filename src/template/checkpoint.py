@@ -20,7 +20,7 @@ import random
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -141,11 +141,7 @@ def check_fits(
     name = Path(path).name
     check_dataset(saved, datamodule.hparams.name, name)
     trained = saved.get("datamodule_hyper_parameters", {})
-    differing = [
-        f"data.{key}={trained[key]} (here {datamodule.hparams[key]})"
-        for key in type(datamodule).CONTENT_KEYS
-        if key in trained and plain(trained[key]) != plain(datamodule.hparams[key])
-    ]
+    differing = data_differences(trained, datamodule.hparams, type(datamodule).CONTENT_KEYS)
     if differing:
         raise CheckpointError(
             f"{name} was trained with {', '.join(differing)}; resume with the same data settings"
@@ -266,6 +262,17 @@ def plain(value: Any) -> Any:
     return [plain(item) for item in value] if isinstance(value, list | tuple) else value
 
 
+def data_differences(
+    trained: Mapping[str, Any], current: Mapping[str, Any], keys: Iterable[str]
+) -> list[str]:
+    """``data.<key>=<trained> (here <current>)`` for each of ``keys`` whose values differ."""
+    return [
+        f"data.{key}={trained[key]} (here {current[key]})"
+        for key in keys
+        if key in trained and plain(trained[key]) != plain(current[key])
+    ]
+
+
 def data_for_inference(
     saved: Mapping[str, Any],
     data: Mapping[str, Any],
@@ -282,12 +289,8 @@ def data_for_inference(
         return dict(data)
     if typed & {"", "name"}:  # the command chose a dataset: it must be the checkpoint's
         check_dataset(saved, data["name"], name)
-    content = data_class(trained["name"]).CONTENT_KEYS
-    differing = [
-        f"data.{key}={trained[key]} (here {data[key]})"
-        for key in content
-        if key in typed and key in trained and plain(trained[key]) != plain(data[key])
-    ]
+    typed_content = [k for k in data_class(trained["name"]).CONTENT_KEYS if k in typed]
+    differing = data_differences(trained, data, typed_content)
     if differing:
         raise CheckpointError(
             f"{name} was trained with {', '.join(differing)}; eval and predict use the "
