@@ -74,6 +74,22 @@ def test_global_batches_do_not_depend_on_world_size(world: int) -> None:
     assert len({i for b in single for i in b}) == 96, "no sample twice in an epoch"
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_resumed_sampler_draws_what_its_epoch_had_left(world: int) -> None:
+    data, batch, done = dataset(100), 8, 5
+    for rank in range(world):
+        uninterrupted = GlobalBatchSampler(data, world, rank, batch, seed=3)
+        uninterrupted.set_epoch(2)
+        resumed = GlobalBatchSampler(data, world, rank, batch, seed=3)
+        resumed.resume_at(epoch=2, batches_done=done)  # no set_epoch: the loader may not call it
+        local = batch // world
+        assert list(resumed) == list(uninterrupted)[done * local :]
+        assert len(resumed) == len(uninterrupted), "Lightning counts the epoch's full length"
+        resumed.set_epoch(3)
+        uninterrupted.set_epoch(3)
+        assert list(resumed) == list(uninterrupted), "the next epoch is whole"
+
+
 def test_global_batch_sampler_refuses_a_batch_larger_than_the_data() -> None:
     with pytest.raises(ValueError, match="larger than the 5 training samples"):
         GlobalBatchSampler(dataset(5), 1, 0, global_batch_size=8, seed=0)

@@ -26,6 +26,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from src.template.checkpoint import resume_position
 from src.template.distributed import GlobalBatchSampler, UnpaddedSampler
 
 SPLITS = ("train", "val", "test")
@@ -252,6 +253,7 @@ class ImageDataModule(LightningDataModule):
         sampler = GlobalBatchSampler(
             self.train_set, *self._world(), self.hparams.batch_size, self.hparams.shuffle_seed
         )
+        sampler.resume_at(*resume_position(self.trainer))  # before any worker fetches
         return self._loader(self.train_set, sampler)
 
     def val_dataloader(self) -> DataLoader:

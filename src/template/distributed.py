@@ -64,6 +64,10 @@ class GlobalBatchSampler(DistributedSampler):
 
     The last incomplete global batch is dropped, so every rank runs the same number of equal
     steps and the averaged DDP gradient is the gradient of the global batch.
+
+    :meth:`resume_at` makes a job resumed mid-epoch draw only the batches that epoch had left.
+    Lightning creates the first iterator (and loader workers prefetch from it) before it calls
+    ``set_epoch``, so a resumed job sets the epoch here, when the loader is built.
     """
 
     def __init__(
@@ -82,12 +86,19 @@ class GlobalBatchSampler(DistributedSampler):
             )
         self.num_samples = self.num_batches * self.local_batch_size
         self.total_size = self.num_batches * global_batch_size
+        self.resume_epoch, self.batches_done = 0, 0
+
+    def resume_at(self, epoch: int, batches_done: int) -> None:
+        """Start at ``epoch``, whose first ``batches_done`` global batches were trained."""
+        self.set_epoch(epoch)
+        self.resume_epoch, self.batches_done = epoch, batches_done
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.dataset), generator=generator)[: self.total_size]
         shares = order.view(self.num_batches, self.num_replicas, self.local_batch_size)
-        return iter(shares[:, self.rank].reshape(-1).tolist())
+        skip = self.batches_done if self.epoch == self.resume_epoch else 0
+        return iter(shares[skip:, self.rank].reshape(-1).tolist())
 
     def __len__(self) -> int:
         return self.num_samples
