@@ -72,6 +72,10 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         (["data.batch_size=0"], "data.batch_size=0 is not valid: it must be a whole number >= 1"),
         (["data.num_workers=-1"], "data.num_workers=-1 must be 0 or more"),
         (["trainer.max_epochs=-1"], "trainer.max_epochs=-1 is not valid: it must be a whole"),
+        (
+            ["callbacks.checkpoint.every_n_train_steps=0"],
+            "callbacks.checkpoint.every_n_train_steps=0 is not valid: it must be a whole number",
+        ),
         (["trainer.precision=banana"], "trainer settings refused: Precision 'banana' is invalid"),
         (["model.lr=abc"], "model settings refused: model.lr=abc must be a number > 0"),
         (["model.net.dropout=1.5"], "model settings refused: dropout probability has to be"),
@@ -105,6 +109,7 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         "batch-size-0",
         "workers-negative",
         "endless-epochs",
+        "checkpoint-every-0-steps",
         "precision-unknown",
         "lr-word",
         "dropout-above-1",

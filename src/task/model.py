@@ -104,10 +104,17 @@ class ImageClassifier(L.LightningModule):
     def test_step(self, batch: Batch, batch_idx: int) -> None:
         self._step(batch, "test")
 
-    def on_train_epoch_start(self) -> None:
-        # The learning rate of this epoch, logged like the other epoch metrics (step = epoch).
-        lr = self.optimizers().param_groups[0]["lr"]
-        self.log("train/lr", lr, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
+    def on_train_start(self) -> None:
+        # The learning rate of the epoch training starts in (also one resumed mid-way, whose
+        # on_train_epoch_start does not run again); the scheduler steps at each epoch end.
+        self.epoch_lr = self.optimizers().param_groups[0]["lr"]
+
+    on_train_epoch_start = on_train_start
+
+    def on_train_epoch_end(self) -> None:
+        # Logged at the epoch end like the other epoch metrics (step = epoch), so an epoch cut
+        # by a stop is logged once, by the job that completes it.
+        self.log("train/lr", self.epoch_lr, on_epoch=True, sync_dist=True, reduce_fx="max")
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:  # a couple of batches: not a real accuracy

@@ -12,6 +12,9 @@
 * :class:`SeedEachBatch` makes the randomness of every training step (dropout) a function of
   (seed, epoch, batch, rank), so a run resumed from a checkpoint draws exactly what an
   uninterrupted run draws, with no per-rank generator state to gather and store.
+* Mid-epoch checkpoints (a stop signal, ``max_steps``, ``every_n_train_steps``) are written at
+  a training step's end, the point Lightning resumes from; :class:`MidEpochState` adds the
+  epoch's metric sums so far, and :func:`resume_position` tells the sampler where to go on.
 """
 
 import inspect
@@ -30,6 +33,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from torchmetrics import Metric
 
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
@@ -93,19 +97,139 @@ class BestCheckpoint(ModelCheckpoint):
             rank_zero_warn(f"best checkpoints of {old} are gone; the best starts afresh")
         super().load_state_dict(state_dict)
 
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if epoch_finished(trainer):  # not an epoch cut short by max_steps
+            super().on_train_epoch_end(trainer, pl_module)
+
 
 class LastCheckpoint(ModelCheckpoint):
     """Writes ``last.ckpt`` at every epoch end (Lightning's ``save_last`` only writes when a
-    new best was saved). It has no state worth restoring: the file is always rewritten."""
+    new best was saved) and, mid-epoch, every ``every_n_train_steps`` steps and at the step
+    ``max_steps`` ends on. A step that ends an epoch is left to the epoch-end checkpoint, so
+    its validation is never skipped. It has no state worth restoring: the file is rewritten."""
 
-    def __init__(self, dirpath: Path) -> None:
+    def __init__(self, dirpath: Path, every_n_train_steps: int | None = None) -> None:
         super().__init__(
             dirpath=dirpath, filename="last", enable_version_counter=False,
             save_on_train_epoch_end=True,
         )  # fmt: skip
+        self.every_n_steps = every_n_train_steps or 0
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dirpath) / "last.ckpt"
+
+    def save_now(self, trainer: L.Trainer) -> None:
+        """Write ``last.ckpt`` now; every rank calls it at the same step."""
+        trainer.save_checkpoint(self.path, weights_only=False)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if epoch_finished(trainer):
+            return
+        step = trainer.global_step
+        periodic = self.every_n_steps > 0 and step % self.every_n_steps == 0
+        if periodic or step == trainer.max_steps:
+            self.save_now(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if epoch_finished(trainer):
+            super().on_train_epoch_end(trainer, pl_module)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
+
+
+def save_last(trainer: L.Trainer) -> None:
+    """Write the job's ``last.ckpt`` now (all ranks, at the same step), if it keeps one."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, LastCheckpoint):
+            callback.save_now(trainer)
+
+
+def epoch_finished(trainer: L.Trainer) -> bool:
+    """Whether every training batch of the current epoch has been trained."""
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    return done >= trainer.num_training_batches
+
+
+def resume_position(trainer: L.Trainer | None) -> tuple[int, int]:
+    """(epoch, training batches of it already done) where fitting starts, read from Lightning's
+    loop state (restored from the checkpoint before the train loader is built)."""
+    if trainer is None:
+        return 0, 0
+    epochs = trainer.fit_loop.epoch_progress.current
+    if epochs.started > epochs.processed:  # the checkpoint was written mid-epoch
+        return epochs.processed, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    return epochs.processed, 0
+
+
+# Lightning asks for a loader with state_dict() to resume mid-epoch; the sampler resumes from
+# Lightning's own loop state instead (resume_position), which makes the warning wrong here.
+warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before")
+
+
+class MidEpochState(Callback):
+    """The epoch's metric sums so far, in checkpoints written mid-epoch.
+
+    Lightning restores weights and loops but not torchmetrics states, which are per rank and
+    not persistent: a job resumed mid-epoch would report that epoch over its remaining batches
+    only. At a mid-epoch save the states are reduced over ranks (one collective, at the save);
+    on resume rank 0 holds the reduced states and the other ranks start empty, so the epoch-end
+    ``compute()`` gives the uninterrupted value (up to float summation order). Exact for states
+    reduced by sum, max, min or concatenation (torchmetrics' built-in metrics).
+    """
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, dict[str, Any]] = {}
+
+    @staticmethod
+    def _metrics(pl_module: L.LightningModule) -> dict[str, Metric]:
+        return {
+            name: module
+            for name, module in pl_module.named_modules()
+            if isinstance(module, Metric) and set(module.metric_state) - set(module.state_dict())
+        }
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        epochs = trainer.fit_loop.epoch_progress.current
+        if trainer.state.fn != "fit" or epochs.started <= epochs.processed:
+            return  # only a mid-epoch checkpoint needs them
+        states = {}
+        for name, metric in self._metrics(pl_module).items():
+            with metric.sync_context():
+                states[name] = {key: detach_to_cpu(v) for key, v in metric.metric_state.items()}
+        checkpoint["mid_epoch_metric_states"] = states
+
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self.loaded = checkpoint.get("mid_epoch_metric_states", {})
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        metrics = self._metrics(pl_module)
+        for name, states in self.loaded.items():
+            if name not in metrics:
+                continue
+            metric = metrics[name]
+            metric.reset()
+            if trainer.global_rank == 0:  # the reduced sums count once
+                for key, value in states.items():
+                    setattr(metric, key, to_device(value, metric.device))
+        self.loaded = {}
+
+
+def detach_to_cpu(value: Any) -> Any:
+    if isinstance(value, list):
+        return [item.detach().cpu() for item in value]
+    return value.detach().cpu()
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, list):
+        return [item.to(device) for item in value]
+    return value.to(device)
 
 
 def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:

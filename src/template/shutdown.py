@@ -1,10 +1,12 @@
 """How a job ends early: never hanging, never leaving orphan processes or a RUNNING run.
 
-* Ctrl-C / SIGTERM (:class:`StopOnSignal`): during training the request is only recorded; at
-  the end of the current step all ranks agree (one tiny all-reduce) and stop together, so no
-  step is half-applied and no rank waits in a collective for one that left. ``last.ckpt`` keeps
-  the end of the last finished epoch, the state a resume continues *exactly* from (a mid-epoch
-  state could not be). A second Ctrl-C stops at once. The run ends KILLED; exit code 130/143.
+* Ctrl-C, SIGTERM or SIGUSR1 (a scheduler's warning before preemption; :class:`StopOnSignal`):
+  during training the request is only recorded; at the end of the current step all ranks agree
+  (one tiny all-reduce per step), write ``last.ckpt`` *at that step* and stop together, so no
+  step is half-applied and no rank waits in a collective for one that left. Resuming from it
+  continues the epoch exactly. A request in an epoch's last step or its validation lets the
+  epoch end (validation, its checkpoint, its metrics) first. A second Ctrl-C stops at once.
+  The run ends KILLED; exit code 128 + the signal's number (130, 143, 138).
 * A rank process that dies (:class:`RankWatchdog`, in the launching process): within
   ``strategy.watch_s`` it names the rank and how it died, marks the run FAILED and kills the
   other ranks; the job exits 1 at most ``strategy.exit_grace_s`` later even if rank 0 is stuck
@@ -26,10 +28,12 @@ from typing import Any
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import Callback
 
+from src.template.checkpoint import epoch_finished, save_last
+
 log = logging.getLogger(__name__)
 
 LAUNCHER_PID_ENV = "TEMPLATE_LAUNCHER_PID"  # set for the rank processes Lightning starts
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 def _in_main_thread() -> bool:
@@ -37,7 +41,8 @@ def _in_main_thread() -> bool:
 
 
 class StopOnSignal(Callback):
-    """Turns SIGINT/SIGTERM into a stop that all ranks take at the same step boundary."""
+    """Turns a stop signal into a stop that all ranks take at the same step boundary, with a
+    checkpoint of that step."""
 
     def __init__(self) -> None:
         self.requested: signal.Signals | None = None
@@ -48,7 +53,8 @@ class StopOnSignal(Callback):
         self.requested = signal.Signals(signum)
         if first and self._deferring:
             log.warning(
-                "%s received: stopping after the current training step (again to stop now)",
+                "%s received: stopping after the current training step, with a checkpoint "
+                "(again to stop now)",
                 self.requested.name,
             )
             return
@@ -68,17 +74,31 @@ class StopOnSignal(Callback):
     on_sanity_check_start = _defer
     on_train_start = _defer
 
-    def _stop_if_requested(self, trainer: L.Trainer) -> None:
-        if trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False):
-            self._deferring = False
-            self.requested = self.requested or signal.SIGTERM  # another rank was asked
-            raise KeyboardInterrupt(self.requested.name)
+    def _agreed(self, trainer: L.Trainer) -> bool:
+        """Whether any rank was asked to stop (every rank calls this at the same point)."""
+        if not trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False):
+            return False
+        self.requested = self.requested or signal.SIGTERM  # another rank was asked
+        return True
+
+    def _stop(self) -> None:
+        self._deferring = False
+        raise KeyboardInterrupt(self.requested.name)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self._stop_if_requested(trainer)
+        # The epoch's last step is left to the epoch end: a checkpoint written before its
+        # validation would skip that validation on resume.
+        if not epoch_finished(trainer) and self._agreed(trainer):
+            save_last(trainer)
+            self._stop()
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._agreed(trainer):  # asked during the last epoch's end: its checkpoint is written
+            self._stop()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._stop_if_requested(trainer)  # a request during the last epoch's validation
+        if self._agreed(trainer):  # asked during the last epoch's end
+            self._stop()
         self._deferring = False
 
     @property
@@ -113,7 +133,7 @@ def describe_exit(rank: int, local_rank: int, proc: subprocess.Popen, output_dir
 
 @contextmanager
 def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
-    """End the run KILLED on Ctrl-C or SIGTERM, FAILED on any other error, never RUNNING.
+    """End the run KILLED on a stop signal, FAILED on any other error, never RUNNING.
 
     Lightning marks every interrupted run "failed" and exits 1; a stop request is told apart
     here, and the job exits 128 + signal number like any well-behaved command. An error caused

@@ -25,6 +25,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
+from src.template.checkpoint import epoch_finished
 from src.template.distributed import SWEEP_JOB_ENV
 
 SQLITE_PREFIX = "sqlite:///"
@@ -44,17 +45,23 @@ class EpochMLFlowLogger(MLFlowLogger):
     When it continues a run (a resumed training job), a metric is not logged again at a step the
     run already has: a job killed after logging an epoch but before checkpointing it repeats
     that epoch on resume, with the same values, and the history keeps one point per epoch.
+
+    An epoch cut short by ``max_steps`` (:class:`SkipCutEpoch`) is not logged: the job that
+    resumes and completes it logs it, once.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.continued = kwargs.get("run_id") is not None
         self._last_step: dict[str, int] = {}
+        self.cut_epoch: int | None = None
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         metrics = dict(metrics)
         epoch = metrics.pop("epoch", None)
+        if epoch is not None and int(epoch) == self.cut_epoch:
+            return
         step = int(epoch) if epoch is not None else step
         if self.continued and step is not None:
             metrics = {key: v for key, v in metrics.items() if step > self._logged_until(key)}
@@ -370,7 +377,20 @@ def attach_to_source_run(source: Mapping[str, str] | None, path: Path, folder: s
 
 def callbacks(loggers: list[Logger], cfg: DictConfig) -> list[Callback]:
     logger = mlflow_logger(loggers)
-    return [RecordRunInCheckpoint(logger, cfg.logger.tracking_uri)] if logger else []
+    if logger is None:
+        return []
+    return [RecordRunInCheckpoint(logger, cfg.logger.tracking_uri), SkipCutEpoch(logger)]
+
+
+class SkipCutEpoch(Callback):
+    """Tells the logger when Lightning ends an epoch that ``max_steps`` cut short (it runs the
+    epoch-end hooks and logs metrics over the batches trained so far)."""
+
+    def __init__(self, logger: EpochMLFlowLogger) -> None:
+        self.logger = logger
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.logger.cut_epoch = None if epoch_finished(trainer) else trainer.current_epoch
 
 
 class RecordRunInCheckpoint(Callback):

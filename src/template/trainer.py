@@ -13,7 +13,12 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
-from src.template.checkpoint import AtomicCheckpointIO, BestCheckpoint, LastCheckpoint
+from src.template.checkpoint import (
+    AtomicCheckpointIO,
+    BestCheckpoint,
+    LastCheckpoint,
+    MidEpochState,
+)
 from src.template.config import as_config_error, check_count, check_keys, quiet
 from src.template.data import per_device_batch_size
 from src.template.distributed import (
@@ -57,6 +62,9 @@ def check_settings(cfg: DictConfig, fitting: bool) -> int:
     if fitting:
         # The learning rate decays over the planned epochs: there must be a plan.
         check_count("trainer.max_epochs", cfg.trainer.max_epochs, 1)
+        every = cfg.callbacks.checkpoint.get("every_n_train_steps")
+        if every is not None:
+            check_count("callbacks.checkpoint.every_n_train_steps", every, 1)
         per_device_batch_size(cfg.data.batch_size, world)
     # A trial build: Lightning's own checks of the trainer values, before anything is written.
     with as_config_error("trainer"), quiet("lightning.pytorch.utilities.rank_zero"):
@@ -83,7 +91,7 @@ def build_callbacks(cfg: DictConfig, fitting: bool) -> list[Callback]:
     ckpt = cfg.callbacks.checkpoint
     ckpt_dir = Path(cfg.paths.output_dir) / "checkpoints"
     short_name = ckpt.monitor.rsplit("/", 1)[-1]  # val/acc -> epoch002-acc0.9176.ckpt
-    # Both save at train-epoch end (after validation), the point a resume continues from.
+    # Both save at train-epoch end (after validation); last.ckpt also mid-epoch (see checkpoint.py).
     best = BestCheckpoint(
         dirpath=ckpt_dir,
         # Metric names contain "/", which would become folders if inserted automatically.
@@ -94,8 +102,8 @@ def build_callbacks(cfg: DictConfig, fitting: bool) -> list[Callback]:
         save_top_k=ckpt.save_top_k,
         save_on_train_epoch_end=True,
     )
-    last = LastCheckpoint(dirpath=ckpt_dir)
-    callbacks += [best, last]
+    last = LastCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt.every_n_train_steps)
+    callbacks += [best, last, MidEpochState()]
     callbacks.append(RichModelSummary(max_depth=cfg.callbacks.model_summary_depth))
     return callbacks
 

@@ -1,0 +1,116 @@
+"""Exact resume wherever a job stops: real jobs stopped by real signals (delivered at a chosen
+step by ``tests/signal_at_step``), by ``max_steps`` or by SIGKILL after a step checkpoint, then
+resumed; the result must equal an uninterrupted job's."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from tests.conftest import N_TRAIN, PROJECT, VAL_SIZE, read_metrics, run_entry, tiny_overrides
+from tests.test_train import EPOCH_METRICS, assert_same_tensors
+
+EPOCHS = 3
+STEPS_PER_EPOCH = (N_TRAIN - VAL_SIZE) // 32  # 10: batch 32 of the tiny dataset
+SIGNAL_AT_STEP = PROJECT / "tests" / "signal_at_step"
+
+
+def overrides(tiny_root: Path, devices: int) -> list[str]:
+    ddp = ["strategy=ddp", f"devices={devices}"] if devices > 1 else []
+    return [*tiny_overrides(tiny_root), f"trainer.max_epochs={EPOCHS}", *ddp]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The uninterrupted job for a world size (run once per module and world size)."""
+    done: dict[int, Path] = {}
+
+    def get(devices: int) -> Path:
+        if devices not in done:
+            workdir = tmp_path_factory.mktemp(f"reference{devices}")
+            run_entry("train", *overrides(tiny_root, devices), "hydra.run.dir=run", cwd=workdir)
+            done[devices] = workdir
+        return done[devices]
+
+    return get
+
+
+def history(store: Path) -> tuple[object, dict[str, list[tuple[int, float]]]]:
+    client = MlflowClient(f"sqlite:///{store}")
+    (run,) = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+    points = {
+        key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        for key in EPOCH_METRICS
+    }
+    return run, points
+
+
+def stopped_job(workdir: Path, args: list[str], signal_at: str | None) -> int:
+    """Run ``src.train`` until it stops; its exit code."""
+    path = [str(SIGNAL_AT_STEP), str(PROJECT)] if signal_at else [str(PROJECT)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    if signal_at:
+        env["SIGNAL_AT_STEP"] = signal_at
+    command = [sys.executable, "-m", "src.train", *args, "hydra.run.dir=run"]
+    proc = subprocess.run(
+        command, cwd=workdir, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc.returncode
+
+
+CASES = {
+    # name: devices, extra overrides, signal at step, exit code, step of last.ckpt, run status
+    "sigterm-mid-epoch": (1, [], "14:SIGTERM", 143, 15, "KILLED"),
+    "sigterm-mid-epoch-2-ranks": (2, [], "14:SIGTERM", 143, 15, "KILLED"),
+    "max-steps-mid-epoch": (1, ["+trainer.max_steps=14"], None, 0, 14, "FINISHED"),
+    "workers-epoch-end-2-ranks": (2, ["data.num_workers=2"], "19:SIGINT", 130, 20, "KILLED"),
+    "workers-mid-epoch": (1, ["data.num_workers=2"], "14:SIGUSR1", 138, 15, "KILLED"),
+    "step-checkpoint-then-sigkill": (
+        1, ["callbacks.checkpoint.every_n_train_steps=4"], "17:SIGKILL", -9, 16, "RUNNING",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_stopped_and_resumed_equals_uninterrupted(
+    case: str, reference, tiny_root: Path, tmp_path: Path
+) -> None:
+    devices, extra, signal_at, code, stop_step, status = CASES[case]
+    args = [*overrides(tiny_root, devices), *extra]
+    assert stopped_job(tmp_path, args, signal_at) == code
+    last = tmp_path / "run/checkpoints/last.ckpt"
+    saved = torch.load(last, weights_only=True)
+    assert saved["global_step"] == stop_step, "stopped at another step than asked"
+    assert (stop_step % STEPS_PER_EPOCH == 0) == ("epoch-end" in case), "mid-epoch as named"
+    assert not list(last.parent.glob(".*.tmp")), "no temporary checkpoint left behind"
+    run, _ = history(tmp_path / "mlflow.db")
+    assert run.info.status == status
+
+    resumed_args = [a for a in args if not a.startswith("+trainer.max_steps")]
+    run_entry("train", *resumed_args, f"ckpt_path={last}", "hydra.run.dir=resumed", cwd=tmp_path)
+
+    expected_dir = reference(devices)
+    expected = torch.load(expected_dir / "run/checkpoints/last.ckpt", weights_only=True)
+    resumed = torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=True)
+    for part in ("epoch", "global_step", "state_dict", "optimizer_states", "lr_schedulers"):
+        assert_same_tensors(resumed[part], expected[part], part)
+    expected_metrics = read_metrics(expected_dir / "run")
+    resumed_metrics = read_metrics(tmp_path / "resumed")
+    assert resumed_metrics.keys() == expected_metrics.keys()
+    for name, value in resumed_metrics.items():
+        assert value == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-6), name
+
+    # One run, continued: every epoch once (the cut one logged by the job that completed it).
+    _, expected_history = history(expected_dir / "mlflow.db")
+    run, resumed_history = history(tmp_path / "mlflow.db")
+    assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
+    for key, points in expected_history.items():
+        assert [step for step, _ in resumed_history[key]] == list(range(EPOCHS)), key
+        values = [value for _, value in resumed_history[key]]
+        assert values == pytest.approx([v for _, v in points], rel=1e-5, abs=1e-6), key
