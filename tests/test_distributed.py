@@ -24,6 +24,7 @@ from tests.conftest import (
     N_TRAIN,
     PROJECT,
     VAL_SIZE,
+    only_run,
     read_metrics,
     run_entry,
     tiny_overrides,
@@ -319,20 +320,27 @@ def assert_same_metrics(run_dir: Path, expected: dict[str, float]) -> None:
 
 
 @pytest.mark.slow
-def test_two_torchrun_nodes_match_two_devices(
-    two_devices: dict[str, float], tiny_root: Path, tmp_path: Path
+@pytest.mark.parametrize(("nodes", "per_node"), [(1, 2), (2, 1)])
+def test_torchrun_from_a_fresh_store_matches_two_devices(
+    nodes: int, per_node: int, two_devices: dict[str, float], tiny_root: Path, tmp_path: Path
 ) -> None:
+    # All ranks start at once with the default MLflow store, which does not exist yet: only
+    # rank 0 may create it (its schema creation raced with the other ranks' loggers before).
     port, run_dir = free_port(), tmp_path / "run"
-    train = ["-m", "src.train", *tiny_overrides(tiny_root), *CLUSTER_RUN]
+    train = ["-m", "src.train", *tiny_overrides(tiny_root), "trainer.max_epochs=1"]
+    train += ["strategy=ddp", f"devices={per_node}", f"num_nodes={nodes}"]
     commands = [
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-         "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
-         *train, "devices=1", "num_nodes=2", f"hydra.run.dir={run_dir}"]
-        for node in (0, 1)
+        [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
+         f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}",
+         *train, f"hydra.run.dir={run_dir}"]
+        for node in range(nodes)
     ]  # fmt: skip
-    launch_together(commands, [{}, {}], cwd=tmp_path)
+    launch_together(commands, [{}] * nodes, cwd=tmp_path)
     assert_same_metrics(run_dir, two_devices)
-    assert "rank 1/2 (node 1, local 0)" in (run_dir / "train.log").read_text()
+    node, local = (1, 0) if nodes == 2 else (0, 1)
+    assert f"rank 1/2 (node {node}, local {local})" in (run_dir / "train.log").read_text()
+    _, run = only_run(tmp_path / "mlflow.db")
+    assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
 
 
 @pytest.mark.slow

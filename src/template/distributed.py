@@ -132,6 +132,26 @@ def requested_processes(accelerator: str, devices: Any, num_nodes: int) -> int:
     return per_node * num_nodes
 
 
+def launch_rank(processes_per_node: int) -> int:
+    """This process's global rank as its launcher set it, before any Trainer exists.
+
+    torchrun sets ``RANK``; Lightning's launcher gives the processes it starts ``LOCAL_RANK``
+    (and ``NODE_RANK`` on other machines); srun sets ``SLURM_PROCID`` for each task (a process
+    started by Lightning's launcher inside an allocation inherits its launcher's). Lightning's
+    own guess at import (``rank_zero_only.rank``) takes ``LOCAL_RANK`` for the global rank, so
+    the launching process of node 1 would think it is rank 0.
+    """
+    env = os.environ
+    if "RANK" in env:
+        return int(env["RANK"])
+    node = int(env.get("NODE_RANK", env.get("GROUP_RANK", 0)))
+    if "LOCAL_RANK" in env:
+        return node * processes_per_node + int(env["LOCAL_RANK"])
+    if "SLURM_PROCID" in env:
+        return int(env["SLURM_PROCID"])
+    return node * processes_per_node
+
+
 def uses_gpu(accelerator: str) -> bool:
     """Whether ``accelerator`` means GPUs here: named, or ``auto`` on a machine that has one."""
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from src.template.checkpoint import epoch_finished
-from src.template.distributed import SWEEP_JOB_ENV
+from src.template.distributed import SWEEP_JOB_ENV, launch_rank, requested_processes
 
 SQLITE_PREFIX = "sqlite:///"
 MASK = "***"
@@ -79,13 +79,19 @@ class EpochMLFlowLogger(MLFlowLogger):
 def build_loggers(
     cfg: DictConfig, extra_tags: Mapping[str, str] | None = None, continue_run: str | None = None
 ) -> list[Logger]:
-    """The loggers chosen by ``logger=mlflow|csv|none``; MLflow continues ``continue_run``."""
+    """The loggers chosen by ``logger=mlflow|csv|none``; MLflow continues ``continue_run``.
+
+    Only rank 0 gets an MLflow logger: Lightning's opens the store in its constructor, and ranks
+    started together (torchrun, srun) would race to create a fresh store's schema.
+    """
     kind = cfg.logger.kind
     if kind == "none":
         return []
     if kind == "csv":
         return [CSVLogger(save_dir=cfg.paths.output_dir, name="csv", version="")]
     if kind == "mlflow":
+        if launch_rank(requested_processes(cfg.accelerator, cfg.devices, 1)) != 0:
+            return []
         uri = cfg.logger.tracking_uri
         prepare_store(uri)
         return [
@@ -113,13 +119,9 @@ def artifact_location(tracking_uri: str) -> str | None:
     return str(Path(tracking_uri.removeprefix(SQLITE_PREFIX)).resolve().parent / "mlartifacts")
 
 
-@rank_zero_only
 def prepare_store(tracking_uri: str) -> None:
-    """Create the SQLite schema, or check the server answers, once, before any work starts.
-
-    Doing it in the launching process, before any DDP worker exists, also avoids several
-    ranks racing to create the schema of a fresh database.
-    """
+    """Create the SQLite schema, or check the server answers, once (rank 0), before any work
+    starts."""
     from mlflow import MlflowClient
 
     if tracking_uri.startswith(SQLITE_PREFIX):
@@ -242,7 +244,7 @@ def run_to_continue(saved: Mapping[str, Any] | None, cfg: DictConfig) -> str | N
     source = saved.get("mlflow")
     if not source or source["tracking_uri"] != without_password(cfg.logger.tracking_uri):
         return None
-    if rank_zero_only.rank != 0:
+    if launch_rank(requested_processes(cfg.accelerator, cfg.devices, 1)) != 0:
         return source["run_id"]  # only rank 0 talks to the store
     from mlflow import MlflowClient
 
