@@ -198,3 +198,23 @@ def mlflow_server(argv: Sequence[str], port: int, cwd: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+# --- a reference for jobs started by cluster launchers (torchrun, srun)
+
+
+@pytest.fixture(scope="module")
+def two_devices(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
+    """Metrics of a 1-epoch job with devices=2 on one node, started by Lightning itself."""
+    workdir = tmp_path_factory.mktemp("two_devices")
+    overrides = [*tiny_overrides(tiny_root), "trainer.max_epochs=1", "logger=none"]
+    overrides += ["strategy=ddp", "devices=2"]
+    run_entry("train", *overrides, f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
+    return read_metrics(workdir / "run")
+
+
+def assert_same_metrics(run_dir: Path, expected: dict[str, float]) -> None:
+    metrics = read_metrics(run_dir)
+    assert metrics.keys() == expected.keys()
+    for name, value in expected.items():
+        assert metrics[name] == pytest.approx(value, abs=1e-6), name

@@ -24,6 +24,7 @@ from tests.conftest import (
     N_TRAIN,
     PROJECT,
     VAL_SIZE,
+    assert_same_metrics,
     only_run,
     read_metrics,
     run_entry,
@@ -273,18 +274,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-CLUSTER_RUN = ["trainer.max_epochs=1", "logger=none", "strategy=ddp"]
-
-
-@pytest.fixture(scope="module")
-def two_devices(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
-    """Metrics of a 1-epoch job with devices=2 on one node, started by Lightning itself."""
-    workdir = tmp_path_factory.mktemp("two_devices")
-    overrides = [*tiny_overrides(tiny_root), *CLUSTER_RUN, "devices=2"]
-    run_entry("train", *overrides, f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
-    return read_metrics(workdir / "run")
-
-
 def launch_together(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path) -> None:
     """Start processes the way a cluster launcher would, one per node or task, and wait."""
     logs = [cwd / f"process{i}.log" for i in range(len(commands))]
@@ -312,13 +301,6 @@ def launch_together(commands: list[list[str]], envs: list[dict[str, str]], cwd: 
     assert [p.returncode for p in procs] == [0] * len(procs), outputs
 
 
-def assert_same_metrics(run_dir: Path, expected: dict[str, float]) -> None:
-    metrics = read_metrics(run_dir)
-    assert metrics.keys() == expected.keys()
-    for name, value in expected.items():
-        assert metrics[name] == pytest.approx(value, abs=1e-6), name
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("nodes", "per_node"), [(1, 2), (2, 1)])
 def test_torchrun_from_a_fresh_store_matches_two_devices(
@@ -341,30 +323,6 @@ def test_torchrun_from_a_fresh_store_matches_two_devices(
     assert f"rank 1/2 (node {node}, local {local})" in (run_dir / "train.log").read_text()
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
-
-
-@pytest.mark.slow
-def test_slurm_tasks_match_two_devices(
-    two_devices: dict[str, float], tiny_root: Path, tmp_path: Path
-) -> None:
-    # What `srun --ntasks-per-node=2 python -m src.train strategy=ddp devices=2` sets per task.
-    run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "src.train", *tiny_overrides(tiny_root), *CLUSTER_RUN,
-               "devices=2", f"hydra.run.dir={run_dir}"]  # fmt: skip
-    slurm = {
-        "SLURM_NTASKS": "2",
-        "SLURM_NTASKS_PER_NODE": "2",
-        "SLURM_NNODES": "1",
-        "SLURM_NODEID": "0",
-        "SLURM_NODELIST": "127.0.0.1",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NAME": "train",
-        "MASTER_PORT": str(free_port()),
-    }
-    envs = [{**slurm, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)} for task in (0, 1)]
-    launch_together([command, command], envs, cwd=tmp_path)
-    assert_same_metrics(run_dir, two_devices)
-    assert "rank 1/2 (node 0, local 1)" in (run_dir / "train.log").read_text()
 
 
 @pytest.mark.slow

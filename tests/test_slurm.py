@@ -1,0 +1,71 @@
+"""``slurm/train.sbatch`` on a live one-node SLURM cluster (``slurm/local-cluster.sh``)."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PROJECT, assert_same_metrics, only_run, read_metrics, tiny_overrides
+
+SBATCH = PROJECT / "slurm" / "train.sbatch"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> None:
+    """Start the local cluster once per test run (root and apt, or SLURM already installed)."""
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM cluster needs root (slurm/local-cluster.sh)")
+    if not shutil.which("apt-get") and not shutil.which("slurmctld"):
+        pytest.skip("no SLURM here and no apt-get to install it (slurm/local-cluster.sh)")
+    script = PROJECT / "slurm" / "local-cluster.sh"
+    proc = subprocess.run(["bash", script], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def sbatch(workdir: Path, *args: str) -> tuple[str, subprocess.CompletedProcess]:
+    """``sbatch --wait`` from ``workdir`` with this project's Python; (job id, result)."""
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(PROJECT)}
+    proc = subprocess.run(
+        ["sbatch", "--wait", *args], cwd=workdir, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    job = re.search(r"Submitted batch job (\d+)", proc.stdout)
+    assert job, proc.stdout + proc.stderr
+    return job.group(1), proc
+
+
+@pytest.mark.slow
+def test_sbatch_from_a_fresh_store_matches_two_devices(
+    slurm_cluster: None, two_devices: dict[str, float], tiny_root: Path, tmp_path: Path
+) -> None:
+    # As the README shows it, on CPU nodes; srun starts both ranks at once on a fresh mlflow.db.
+    job, proc = sbatch(
+        tmp_path, "--gpus-per-node=0", str(SBATCH), *tiny_overrides(tiny_root),
+        "trainer.max_epochs=1",
+    )  # fmt: skip
+    output = (tmp_path / f"slurm-{job}.out").read_text()
+    assert proc.returncode == 0, output[-5000:]
+    assert "Traceback" not in output
+    run_dir = tmp_path / "outputs" / "train" / "slurm" / job
+    assert_same_metrics(run_dir, two_devices)
+    log = (run_dir / "train.log").read_text()
+    assert "rank 1/2 (node 0, local 1)" in log, "srun's tasks are the ranks"
+    _, run = only_run(tmp_path / "mlflow.db")
+    assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
+
+
+@pytest.mark.slow
+def test_sbatch_takes_hydra_run_dir_from_its_arguments(
+    slurm_cluster: None, tiny_root: Path, tmp_path: Path
+) -> None:
+    job, proc = sbatch(
+        tmp_path, "--gpus-per-node=0", "--ntasks-per-node=1", str(SBATCH),
+        *tiny_overrides(tiny_root), "trainer.max_epochs=1", "logger=none", "hydra.run.dir=mine",
+    )  # fmt: skip
+    assert proc.returncode == 0, (tmp_path / f"slurm-{job}.out").read_text()[-5000:]
+    assert read_metrics(tmp_path / "mine")["val/samples"] > 0
+    assert not (tmp_path / "outputs").exists()
