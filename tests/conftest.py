@@ -218,3 +218,25 @@ def assert_same_metrics(run_dir: Path, expected: dict[str, float]) -> None:
     assert metrics.keys() == expected.keys()
     for name, value in expected.items():
         assert metrics[name] == pytest.approx(value, abs=1e-6), name
+
+
+def processes_with_env(**match: str) -> list[psutil.Process]:
+    """Running ``src.train`` processes whose environment has all of ``match`` (a launcher's
+    rank variables, e.g. ``SLURM_JOB_ID`` and ``SLURM_PROCID``)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if "src.train" in " ".join(proc.cmdline()) and all(
+                proc.environ().get(key) == value for key, value in match.items()
+            ):
+                found.append(proc)
+        except psutil.Error:  # gone, or not ours to read
+            continue
+    return found
+
+
+def wait_for_file(path: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s"
+        time.sleep(0.2)

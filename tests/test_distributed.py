@@ -6,12 +6,14 @@ subprocesses: a DDP launch inside pytest would re-launch pytest itself.
 
 import csv
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -26,9 +28,11 @@ from tests.conftest import (
     VAL_SIZE,
     assert_same_metrics,
     only_run,
+    processes_with_env,
     read_metrics,
     run_entry,
     tiny_overrides,
+    wait_for_file,
 )
 from tests.test_config import compose_config
 from tests.test_eval import best_checkpoint
@@ -323,6 +327,35 @@ def test_torchrun_from_a_fresh_store_matches_two_devices(
     assert f"rank 1/2 (node {node}, local {local})" in (run_dir / "train.log").read_text()
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
+
+
+@pytest.mark.slow
+def test_a_dead_rank_ends_the_torchrun_job_within_seconds(tiny_root: Path, tmp_path: Path) -> None:
+    train = ["-m", "src.train", *tiny_overrides(tiny_root), "trainer.max_epochs=500"]
+    train += ["strategy=ddp", "devices=2", "hydra.run.dir=run"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+               f"--master-port={free_port()}", *train]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(PROJECT)}
+    torchrun = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for_file(tmp_path / "run/checkpoints/last.ckpt")
+        children = {p.pid for p in psutil.Process(torchrun.pid).children(recursive=True)}
+        (rank1,) = [p for p in processes_with_env(RANK="1") if p.pid in children]
+        rank1.kill()
+        start = time.monotonic()
+        _, stderr = torchrun.communicate(timeout=60)
+        seconds = time.monotonic() - start
+    finally:
+        if torchrun.poll() is None:
+            os.killpg(torchrun.pid, signal.SIGKILL)
+    assert seconds < 30, f"the job outlived its dead rank by {seconds:.0f} s"
+    assert torchrun.returncode != 0
+    assert "local_rank: 1" in stderr and "Signal 9 (SIGKILL)" in stderr, stderr[-3000:]
+    _, run = only_run(tmp_path / "mlflow.db")
+    assert run.info.status == "FAILED"
 
 
 @pytest.mark.slow

@@ -5,11 +5,20 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import PROJECT, assert_same_metrics, only_run, read_metrics, tiny_overrides
+from tests.conftest import (
+    PROJECT,
+    assert_same_metrics,
+    only_run,
+    processes_with_env,
+    read_metrics,
+    tiny_overrides,
+    wait_for_file,
+)
 
 SBATCH = PROJECT / "slurm" / "train.sbatch"
 
@@ -69,3 +78,31 @@ def test_sbatch_takes_hydra_run_dir_from_its_arguments(
     assert proc.returncode == 0, (tmp_path / f"slurm-{job}.out").read_text()[-5000:]
     assert read_metrics(tmp_path / "mine")["val/samples"] > 0
     assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
+def test_a_dead_rank_ends_the_srun_job_within_seconds(
+    slurm_cluster: None, tiny_root: Path, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(PROJECT)}
+    args = [*tiny_overrides(tiny_root), "trainer.max_epochs=500", "hydra.run.dir=run"]
+    submitted = subprocess.run(
+        ["sbatch", "--gpus-per-node=0", str(SBATCH), *args], cwd=tmp_path, env=env,
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    job = re.search(r"Submitted batch job (\d+)", submitted.stdout).group(1)
+    try:
+        wait_for_file(tmp_path / "run/checkpoints/last.ckpt")
+        (rank1,) = processes_with_env(SLURM_JOB_ID=job, SLURM_PROCID="1")
+        rank1.kill()
+        start = time.monotonic()
+        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout:
+            assert time.monotonic() - start < 30, "the job outlived its dead rank by 30 s"
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["scancel", job])
+    assert not processes_with_env(SLURM_JOB_ID=job), "a rank outlived the job"
+    output = (tmp_path / f"slurm-{job}.out").read_text()
+    assert "task 1: Killed" in output, output[-3000:]
+    _, run = only_run(tmp_path / "mlflow.db")
+    assert run.info.status == "FAILED"

@@ -145,7 +145,11 @@ def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
     try:
         yield
     except BaseException as error:
-        killed = stop.requested is not None or isinstance(error, KeyboardInterrupt)
+        # The stop itself (Lightning turns it into SystemExit), not an error met while stopping:
+        # srun and torchrun send SIGTERM to the other ranks when one dies.
+        killed = isinstance(error, KeyboardInterrupt) or (
+            isinstance(error, SystemExit) and stop.requested is not None
+        )
         for logger in trainer.loggers:
             logger.finalize("KILLED" if killed else "failed")
         if killed:
