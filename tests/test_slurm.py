@@ -16,6 +16,7 @@ from tests.conftest import (
     only_run,
     processes_with_env,
     read_metrics,
+    run_entry,
     tiny_overrides,
     wait_for_file,
 )
@@ -106,3 +107,58 @@ def test_a_dead_rank_ends_the_srun_job_within_seconds(
     assert "task 1: Killed" in output, output[-3000:]
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FAILED"
+
+
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+def wait_for_job(job: str, timeout: float = 300) -> str:
+    """The job's final state; a requeued job is started at once (SLURM holds it back by a begin
+    time otherwise; the command below is what an admin would type to release it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = subprocess.run(
+            ["scontrol", "show", "job", "-o", job], capture_output=True, text=True, check=True
+        ).stdout
+        state, reason = (
+            re.search(rf"{key}=(\S+)", info).group(1) for key in ("JobState", "Reason")
+        )
+        if state in FINAL_STATES:
+            return state
+        assert time.monotonic() < deadline, f"job {job} still {state} after {timeout} s"
+        if state == "PENDING" and reason == "BeginTime":
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_usr1_requeues_and_the_job_resumes_into_the_same_run(
+    slurm_cluster: None, tiny_root: Path, tmp_path: Path
+) -> None:
+    epochs = 4
+    args = [*tiny_overrides(tiny_root), f"trainer.max_epochs={epochs}"]
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    run_entry("train", *args, "strategy=ddp", "devices=2", "logger=none",
+              "hydra.run.dir=run", cwd=reference)  # fmt: skip
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(PROJECT)}
+    submitted = subprocess.run(
+        ["sbatch", "--gpus-per-node=0", str(SBATCH), *args], cwd=tmp_path, env=env,
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    job = re.search(r"Submitted batch job (\d+)", submitted.stdout).group(1)
+    run_dir = tmp_path / "outputs" / "train" / "slurm" / job
+    try:
+        wait_for_file(run_dir / "checkpoints/last.ckpt")  # training is under way
+        subprocess.run(["scancel", "--signal=USR1", job], check=True)  # as --signal=USR1@90
+        state = wait_for_job(job)
+    finally:
+        subprocess.run(["scancel", job])
+    output = (tmp_path / f"slurm-{job}.out").read_text()
+    assert f"requeueing job {job}" in output and state == "COMPLETED", output[-5000:]
+    assert_same_metrics(run_dir, read_metrics(reference / "run"))
+    client, run = only_run(tmp_path / "mlflow.db")
+    assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
+    for key in ("train/loss", "val/acc"):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert sorted(steps) == list(range(epochs)), key

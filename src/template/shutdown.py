@@ -153,7 +153,10 @@ def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
         for logger in trainer.loggers:
             logger.finalize("KILLED" if killed else "failed")
         if killed:
-            raise SystemExit(stop.exit_code) from error
+            # Rank 0 tells the job's outcome. Other ranks leave quietly (their part, the
+            # checkpoint, is written): under srun --kill-on-bad-exit a rank exiting non-zero
+            # first would get rank 0 killed before it ends the run and exits.
+            raise SystemExit(stop.exit_code if trainer.global_rank == 0 else 0) from error
         if dead := dead_ranks(trainer):
             kill(rank_processes(trainer))
             raise RankFailed(f"{'; '.join(dead)}. The job stopped.") from error

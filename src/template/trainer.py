@@ -1,5 +1,6 @@
 """Assembles the Lightning ``Trainer`` (hardware, strategy, callbacks) from config."""
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from lightning.pytorch.callbacks import (
     TQDMProgressBar,
 )
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from src.template.checkpoint import (
@@ -42,7 +44,7 @@ SET_BY_TEMPLATE = {
     "enable_progress_bar": "callbacks.progress_bar",
     "enable_model_summary": "the task (training only)",
     "default_root_dir": "paths.output_dir",
-    "plugins": "the template (atomic checkpoint writes)",
+    "plugins": "the template (atomic checkpoint writes, SLURM)",
 }
 
 
@@ -108,6 +110,15 @@ def build_callbacks(cfg: DictConfig, fitting: bool) -> list[Callback]:
     return callbacks
 
 
+def plugins(processes: int) -> list:
+    """Atomic checkpoint writes (a crash never leaves a half-written file); when srun starts the
+    ranks, no auto-requeue by Lightning: a stop signal writes a checkpoint at the step and
+    ``slurm/train.sbatch`` requeues the job (Lightning would save in the signal handler,
+    mid-step, and end the MLflow run)."""
+    srun_ranks = SLURMEnvironment.detect() and os.environ.get("SLURM_NTASKS") == str(processes)
+    return [AtomicCheckpointIO(), *([SLURMEnvironment(auto_requeue=False)] if srun_ranks else [])]
+
+
 def build_trainer(
     cfg: DictConfig, loggers: list[Logger], fitting: bool, extra_callbacks: Sequence[Callback] = ()
 ) -> L.Trainer:
@@ -125,7 +136,7 @@ def build_trainer(
         enable_progress_bar=cfg.callbacks.progress_bar != "none",
         enable_model_summary=fitting,
         default_root_dir=cfg.paths.output_dir,
-        plugins=[AtomicCheckpointIO()],  # a crash never leaves a half-written checkpoint
+        plugins=plugins(processes),
         **OmegaConf.to_container(cfg.trainer, resolve=True),
     )
     return trainer
