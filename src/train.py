@@ -22,6 +22,7 @@ from src.template.distributed import (
     in_multirun,
     job_scope,
     run_sweep_job_in_own_process,
+    srun_starts_ranks,
 )
 from src.template.shutdown import RankFailed, run_lifecycle
 from src.template.trainer import build_trainer, check_settings
@@ -31,7 +32,7 @@ def train(cfg: DictConfig) -> float | None:
     world_size = check_settings(cfg, fitting=True)
     data_class = datamodule_class(cfg.data.name)
     check_sections(cfg, {"data": (data_class, ()), **ImageClassifier.config_targets(cfg.model.net)})
-    if in_multirun() and world_size > 1:
+    if in_multirun() and world_size > 1 and not srun_starts_ranks(world_size):
         return run_sweep_job_in_own_process(cfg.optimized_metric)  # see src/template/distributed.py
     seed = L.seed_everything(cfg.seed, workers=True, verbose=False)
     # Everything that can be checked is checked before a run or a rank process exists.

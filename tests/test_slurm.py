@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
 
 from tests.conftest import (
     PROJECT,
@@ -162,3 +163,45 @@ def test_usr1_requeues_and_the_job_resumes_into_the_same_run(
     for key in ("train/loss", "val/acc"):
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
         assert sorted(steps) == list(range(epochs)), key
+
+
+def mlflow_runs(store: Path) -> list:
+    client = MlflowClient(f"sqlite:///{store}")
+    return client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+
+
+@pytest.mark.slow
+def test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks(
+    slurm_cluster: None, tiny_root: Path, tmp_path: Path
+) -> None:
+    # The README's command, on a fresh store; both jobs start together on the 4-CPU node.
+    overrides = [o for o in tiny_overrides(tiny_root) if not o.startswith("model.lr=")]
+    proc = run_entry(
+        "train", "-m", "hydra/launcher=slurm", "strategy=ddp", "devices=2", "accelerator=cpu",
+        "model.lr=0.01,0.02", *overrides, "trainer.max_epochs=1", cwd=tmp_path,
+    )  # fmt: skip
+    assert "Traceback" not in proc.stderr
+    runs = mlflow_runs(tmp_path / "mlflow.db")
+    assert sorted((r.data.params["model.lr"], r.data.tags["sweep.job"]) for r in runs) == [
+        ("0.01", "0"),
+        ("0.02", "1"),
+    ]
+    assert all(r.info.status == "FINISHED" and r.data.params["world_size"] == "2" for r in runs)
+    (sweep,) = (tmp_path / "outputs/train/multiruns").iterdir()
+    for job in ("0", "1"):
+        log = (sweep / job / "train.log").read_text()
+        assert "rank 1/2 (node 0, local 1)" in log, "the job's SLURM tasks are its ranks"
+    script = next(sweep.glob(".submitit/*/*_submission.sh")).read_text()
+    assert "--ntasks-per-node=2" in script and "--gpus-per-node=0" in script
+
+
+@pytest.mark.slow
+def test_optuna_trials_run_as_slurm_jobs(slurm_cluster: None, tiny_root: Path, tmp_path: Path):
+    run_entry(
+        "train", "-m", "hparams_search=convnet_optuna", "hydra/launcher=slurm", "strategy=ddp",
+        "devices=2", "accelerator=cpu", *tiny_overrides(tiny_root), "trainer.max_epochs=1",
+        "hydra.sweeper.n_trials=2", cwd=tmp_path,
+    )  # fmt: skip
+    runs = mlflow_runs(tmp_path / "mlflow.db")
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
+    assert {r.data.params["world_size"] for r in runs} == {"2"}

@@ -1,6 +1,9 @@
 """Tracking set-up against a real SQLite MLflow store."""
 
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from src.template.tracking import (
     prepare_store,
     without_password,
 )
-from tests.conftest import mlflow_server, read_metrics, run_entry, tiny_overrides
+from tests.conftest import PROJECT, mlflow_server, read_metrics, run_entry, tiny_overrides
 from tests.test_config import compose_config
 
 
@@ -34,10 +37,24 @@ def test_artifacts_go_beside_a_sqlite_store(tmp_path: Path) -> None:
 
 def test_prepare_store_creates_the_schema_once(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/nested/mlflow.db"
-    prepare_store(uri)
+    prepare_store(uri, "mnist")
     assert (tmp_path / "nested" / "mlflow.db").is_file()
-    assert [e.name for e in MlflowClient(uri).search_experiments()] == ["Default"]
-    prepare_store(uri)  # an existing store is left as it is
+    assert sorted(e.name for e in MlflowClient(uri).search_experiments()) == ["Default", "mnist"]
+    prepare_store(uri, "mnist")  # an existing store is left as it is
+
+
+def test_jobs_starting_together_on_a_fresh_store_all_get_it(tmp_path: Path) -> None:
+    # A sweep's SLURM jobs start at once: each job's rank 0 prepares the same fresh store.
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    script = f"from src.template.tracking import prepare_store; prepare_store({uri!r}, 'mnist')"
+    env = {**os.environ, "PYTHONPATH": str(PROJECT)}
+    jobs = [
+        subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    errors = [job.communicate(timeout=120)[1] for job in jobs]
+    assert [job.returncode for job in jobs] == [0] * 4, "\n".join(errors)[-3000:]
+    assert sorted(e.name for e in MlflowClient(uri).search_experiments()) == ["Default", "mnist"]
 
 
 def test_credentials_are_masked() -> None:
@@ -73,7 +90,7 @@ def test_unreachable_server_is_a_clear_error_at_once(tmp_path: Path) -> None:
     with pytest.raises(
         TrackingError, match=f"MLflow server http://u:\\*\\*\\*@127.0.0.1:{port} is not"
     ):
-        prepare_store(f"http://u:pw@127.0.0.1:{port}")
+        prepare_store(f"http://u:pw@127.0.0.1:{port}", "mnist")
 
 
 # --- real jobs against a real `mlflow server`

@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities import rank_zero_warn
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, DistributedSampler
 
 from src.template.shutdown import LAUNCHER_PID_ENV, RankWatchdog, watch_launcher
@@ -150,6 +150,22 @@ def launch_rank(processes_per_node: int) -> int:
     if "SLURM_PROCID" in env:
         return int(env["SLURM_PROCID"])
     return node * processes_per_node
+
+
+def srun_starts_ranks(processes: int) -> bool:
+    """Whether this process is one of ``processes`` ranks that srun started as SLURM tasks (in
+    an sbatch script or a submitit sweep job), so Lightning must start none itself."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    return SLURMEnvironment.detect() and os.environ.get("SLURM_NTASKS") == str(processes)
+
+
+def gpus_for(accelerator: str, devices: Any) -> int:
+    """GPUs per node to ask a scheduler for: one per device, none with ``accelerator=cpu``."""
+    return 0 if accelerator == "cpu" else int(devices)
+
+
+OmegaConf.register_new_resolver("gpus_for", gpus_for, replace=True)  # conf/hydra/launcher/slurm
 
 
 def uses_gpu(accelerator: str) -> bool:

@@ -6,13 +6,15 @@ A run records: the resolved config as params (masked where it looks like a crede
 that say where it came from, per-epoch metrics (step = epoch), the data it read, and artifacts.
 """
 
+import fcntl
 import os
 import re
 import socket
 import subprocess
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -93,7 +95,7 @@ def build_loggers(
         if launch_rank(requested_processes(cfg.accelerator, cfg.devices, 1)) != 0:
             return []
         uri = cfg.logger.tracking_uri
-        prepare_store(uri)
+        prepare_store(uri, cfg.logger.experiment_name)
         return [
             EpochMLFlowLogger(
                 experiment_name=cfg.logger.experiment_name,
@@ -119,15 +121,18 @@ def artifact_location(tracking_uri: str) -> str | None:
     return str(Path(tracking_uri.removeprefix(SQLITE_PREFIX)).resolve().parent / "mlartifacts")
 
 
-def prepare_store(tracking_uri: str) -> None:
-    """Create the SQLite schema, or check the server answers, once (rank 0), before any work
-    starts."""
+def prepare_store(tracking_uri: str, experiment_name: str) -> None:
+    """Create the SQLite schema and the experiment, or check the server answers, once (rank 0),
+    before any work starts. Jobs that start together (a sweep's SLURM jobs) take turns: the
+    store's folder is locked while its schema is created."""
     from mlflow import MlflowClient
 
     if tracking_uri.startswith(SQLITE_PREFIX):
         try:
-            Path(tracking_uri.removeprefix(SQLITE_PREFIX)).parent.mkdir(parents=True, exist_ok=True)
-            MlflowClient(tracking_uri).search_experiments(max_results=1)
+            folder = Path(tracking_uri.removeprefix(SQLITE_PREFIX)).parent
+            folder.mkdir(parents=True, exist_ok=True)
+            with locked(folder):
+                ensure_experiment(MlflowClient(tracking_uri), experiment_name, tracking_uri)
         except Exception as error:
             reason = str(error).strip().splitlines()[0][:200]
             raise TrackingError(
@@ -139,13 +144,36 @@ def prepare_store(tracking_uri: str) -> None:
     quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
     try:
         with mock.patch.dict(os.environ, quick):  # only for this check
-            MlflowClient(tracking_uri).search_experiments(max_results=1)
+            ensure_experiment(MlflowClient(tracking_uri), experiment_name, tracking_uri)
     except Exception as error:
         reason = str(error).splitlines()[0][:200]
         raise TrackingError(
             f"MLflow server {mask_text(tracking_uri)} is not reachable ({reason}). Start it "
             "(README: MLflow server) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
         ) from error
+
+
+@contextmanager
+def locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock on ``folder`` between processes (flock: released if one dies)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def ensure_experiment(client: Any, name: str, tracking_uri: str) -> None:
+    """The experiment exists (created here, where only one job creates it at a time, rather than
+    by Lightning's logger in every job)."""
+    if client.get_experiment_by_name(name) is not None:
+        return
+    try:
+        client.create_experiment(name, artifact_location=artifact_location(tracking_uri))
+    except Exception:
+        if client.get_experiment_by_name(name) is None:  # not another job's creation
+            raise
 
 
 # --- what a run records

@@ -1,6 +1,5 @@
 """Assembles the Lightning ``Trainer`` (hardware, strategy, callbacks) from config."""
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from src.template.distributed import (
     build_strategy,
     check_devices,
     requested_processes,
+    srun_starts_ranks,
     use_sync_batchnorm,
 )
 from src.template.shutdown import StopOnSignal
@@ -115,8 +115,8 @@ def plugins(processes: int) -> list:
     ranks, no auto-requeue by Lightning: a stop signal writes a checkpoint at the step and
     ``slurm/train.sbatch`` requeues the job (Lightning would save in the signal handler,
     mid-step, and end the MLflow run)."""
-    srun_ranks = SLURMEnvironment.detect() and os.environ.get("SLURM_NTASKS") == str(processes)
-    return [AtomicCheckpointIO(), *([SLURMEnvironment(auto_requeue=False)] if srun_ranks else [])]
+    srun = [SLURMEnvironment(auto_requeue=False)] if srun_starts_ranks(processes) else []
+    return [AtomicCheckpointIO(), *srun]
 
 
 def build_trainer(
