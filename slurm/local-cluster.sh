@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# A one-node SLURM cluster on this machine, to try the SLURM path on a workstation (and for the
-# tests that use a live cluster). Debian/Ubuntu, as root. Idempotent: run it again any time.
+# A SLURM cluster on this machine, to try the SLURM path on a workstation (and for the tests that
+# use a live cluster). Debian/Ubuntu, as root. Idempotent: run it again any time.
 #
 #   sudo bash slurm/local-cluster.sh        # then: sinfo, sbatch slurm/train.sbatch ...
 #
-# The node offers CPUS (default 4) CPUs whatever the machine has (SlurmdParameters=
-# config_overrides), so a 2-core machine can run a 4-task job. No cgroups, no accounting.
+# Two nodes, both this machine: one named after it, one named localhost (both names resolve
+# here), each with its own slurmd, so multi-node jobs (--nodes=2) run too. Each node offers CPUS
+# (default 4) CPUs whatever the machine has (SlurmdParameters=config_overrides), so a 2-core
+# machine can run a 4-task job. No cgroups, no accounting.
 set -euo pipefail
 CPUS="${CPUS:-4}"
 HOST="$(hostname -s)"
@@ -34,7 +36,9 @@ if ! munge -n </dev/null >/dev/null 2>&1; then
 fi
 
 # A minimal configuration: one node, one partition, processes tracked without cgroups.
-mkdir -p /etc/slurm /var/lib/slurm/slurmctld /var/lib/slurm/slurmd /var/log/slurm
+NODES=("$HOST" localhost)
+mkdir -p /etc/slurm /var/lib/slurm/slurmctld /var/log/slurm
+for node in "${NODES[@]}"; do mkdir -p "/var/lib/slurm/slurmd-$node"; done
 cat > "$CONF.new" <<CONFIG
 ClusterName=local
 SlurmctldHost=$HOST
@@ -50,13 +54,14 @@ MpiDefault=none
 ReturnToService=2
 JobRequeue=1
 StateSaveLocation=/var/lib/slurm/slurmctld
-SlurmdSpoolDir=/var/lib/slurm/slurmd
+SlurmdSpoolDir=/var/lib/slurm/slurmd-%n
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
-SlurmdLogFile=/var/log/slurm/slurmd.log
+SlurmdLogFile=/var/log/slurm/slurmd-%n.log
 SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
+SlurmdPidFile=/run/slurmd-%n.pid
 KillWait=10
-NodeName=$HOST CPUs=$CPUS State=UNKNOWN
+NodeName=$HOST NodeAddr=127.0.0.1 Port=17001 CPUs=$CPUS State=UNKNOWN
+NodeName=localhost NodeHostname=$HOST NodeAddr=127.0.0.1 Port=17002 CPUs=$CPUS State=UNKNOWN
 PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONFIG
 restart=0
@@ -67,23 +72,28 @@ else
   rm "$CONF.new"
 fi
 
-running() { pgrep -x "$1" >/dev/null; }
 if [ "$restart" = 1 ]; then
   pkill -x slurmd || true
   pkill -x slurmctld || true
-  sleep 1
+  while pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null; do sleep 0.2; done
+  rm -rf /var/lib/slurm/slurmctld/*  # the state of a previous configuration
 fi
-running slurmctld || slurmctld
-running slurmd || slurmd
+pgrep -x slurmctld >/dev/null || slurmctld
+for node in "${NODES[@]}"; do
+  pgrep -f "^slurmd -N $node\$" >/dev/null || slurmd -N "$node"
+done
 
-# Wait until the node takes jobs.
+# Wait until both nodes take jobs.
 for _ in $(seq 60); do
-  state="$(sinfo -h -n "$HOST" -o %t 2>/dev/null || true)"
-  case "$state" in
-    idle*|mix*|alloc*) echo "SLURM cluster up: node $HOST ($CPUS CPUs), partition local"; exit 0 ;;
-    down*|drain*) scontrol update nodename="$HOST" state=resume >/dev/null 2>&1 || true ;;
+  states="$(sinfo -h -N -o %t 2>/dev/null | sort -u | tr '\n' ' ')"
+  case "$states" in
+    "idle "|"mix "|"alloc "|"idle mix "|"alloc idle "|"alloc mix "|"alloc idle mix ")
+      echo "SLURM cluster up: nodes $HOST and localhost ($CPUS CPUs each), partition local"
+      exit 0 ;;
+    *down*|*drain*)
+      for node in "${NODES[@]}"; do scontrol update nodename="$node" state=resume 2>/dev/null || true; done ;;
   esac
   sleep 1
 done
-echo "Error: the SLURM node did not come up; see /var/log/slurm/slurmd.log and slurmctld.log" >&2
+echo "Error: the SLURM nodes did not come up; see /var/log/slurm/slurmd-*.log and slurmctld.log" >&2
 exit 1

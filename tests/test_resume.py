@@ -67,6 +67,7 @@ CASES = {
     # name: devices, extra overrides, signal at step, exit code, step of last.ckpt, run status
     "sigterm-mid-epoch": (1, [], "14:SIGTERM", 143, 15, "KILLED"),
     "sigterm-mid-epoch-2-ranks": (2, [], "14:SIGTERM", 143, 15, "KILLED"),
+    "usr1-before-any-checkpoint": (1, [], "0:SIGUSR1", 138, 1, "KILLED"),
     "max-steps-mid-epoch": (1, ["+trainer.max_steps=14"], None, 0, 14, "FINISHED"),
     "workers-epoch-end-2-ranks": (2, ["data.num_workers=2"], "19:SIGINT", 130, 20, "KILLED"),
     "workers-mid-epoch": (1, ["data.num_workers=2"], "14:SIGUSR1", 138, 15, "KILLED"),

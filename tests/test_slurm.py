@@ -1,4 +1,5 @@
-"""``slurm/train.sbatch`` on a live one-node SLURM cluster (``slurm/local-cluster.sh``)."""
+"""SLURM for real: ``slurm/train.sbatch`` and SLURM sweeps on a live local cluster
+(``slurm/local-cluster.sh``: two nodes, both this machine)."""
 
 import os
 import re
@@ -50,21 +51,28 @@ def sbatch(workdir: Path, *args: str) -> tuple[str, subprocess.CompletedProcess]
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("nodes", "per_node"), [(1, 2), (2, 1)])
 def test_sbatch_from_a_fresh_store_matches_two_devices(
-    slurm_cluster: None, two_devices: dict[str, float], tiny_root: Path, tmp_path: Path
+    nodes: int,
+    per_node: int,
+    slurm_cluster: None,
+    two_devices: dict[str, float],
+    tiny_root: Path,
+    tmp_path: Path,
 ) -> None:
     # As the README shows it, on CPU nodes; srun starts both ranks at once on a fresh mlflow.db.
     job, proc = sbatch(
-        tmp_path, "--gpus-per-node=0", str(SBATCH), *tiny_overrides(tiny_root),
-        "trainer.max_epochs=1",
+        tmp_path, f"--nodes={nodes}", f"--ntasks-per-node={per_node}", "--gpus-per-node=0",
+        str(SBATCH), *tiny_overrides(tiny_root), "trainer.max_epochs=1",
     )  # fmt: skip
     output = (tmp_path / f"slurm-{job}.out").read_text()
     assert proc.returncode == 0, output[-5000:]
     assert "Traceback" not in output
     run_dir = tmp_path / "outputs" / "train" / "slurm" / job
     assert_same_metrics(run_dir, two_devices)
+    node, local = (1, 0) if nodes == 2 else (0, 1)
     log = (run_dir / "train.log").read_text()
-    assert "rank 1/2 (node 0, local 1)" in log, "srun's tasks are the ranks"
+    assert f"rank 1/2 (node {node}, local {local})" in log, "srun's tasks are the ranks"
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
 
