@@ -240,3 +240,10 @@ def wait_for_file(path: Path, timeout: float = 120) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s"
         time.sleep(0.2)
+
+
+def assert_rank_logs(run_dir: Path, node: int, local: int) -> None:
+    """Ranks started by torchrun or srun each log to their own file: rank 1 to train_rank1.log."""
+    assert "rank 0/2 (node 0, local 0)" in (run_dir / "train.log").read_text()
+    assert "rank 1/2" not in (run_dir / "train.log").read_text()
+    assert f"rank 1/2 (node {node}, local {local})" in (run_dir / "train_rank1.log").read_text()

@@ -89,6 +89,7 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
             f"data.val_size={N_TRAIN} must be in (0, {N_TRAIN}) for {N_TRAIN} training samples",
         ),
         (["ckpt_path=missing.ckpt"], "ckpt_path=missing.ckpt: no such file"),
+        (["logger.run_id=abc123"], "logger.run_id=abc123 is not a run of sqlite:///"),
     ],
     ids=[
         "unknown-key",
@@ -116,6 +117,7 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         "batch-vs-world",
         "val-size",
         "missing-ckpt",
+        "unknown-run-id",
     ],
 )
 def test_bad_setting(overrides: list[str], message: str, tiny_root: Path, tmp_path: Path) -> None:

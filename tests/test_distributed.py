@@ -26,6 +26,7 @@ from tests.conftest import (
     N_TRAIN,
     PROJECT,
     VAL_SIZE,
+    assert_rank_logs,
     assert_same_metrics,
     only_run,
     processes_with_env,
@@ -324,7 +325,7 @@ def test_torchrun_from_a_fresh_store_matches_two_devices(
     launch_together(commands, [{}] * nodes, cwd=tmp_path)
     assert_same_metrics(run_dir, two_devices)
     node, local = (1, 0) if nodes == 2 else (0, 1)
-    assert f"rank 1/2 (node {node}, local {local})" in (run_dir / "train.log").read_text()
+    assert_rank_logs(run_dir, node, local)
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
 

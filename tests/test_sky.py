@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import PROJECT, assert_same_metrics, only_run, tiny_overrides
+from tests.conftest import PROJECT, assert_rank_logs, assert_same_metrics, only_run, tiny_overrides
 from tests.test_distributed import free_port, launch_together
 
 TASK = PROJECT / "sky" / "train.yaml"
@@ -44,6 +44,6 @@ def test_run_section_on_two_nodes_matches_two_devices(
     launch_together([command, command], envs, cwd=tmp_path)
     run_dir = tmp_path / "outputs/train/runs/sky"
     assert_same_metrics(run_dir, two_devices)
-    assert "rank 1/2 (node 1, local 0)" in (run_dir / "train.log").read_text()
+    assert_rank_logs(run_dir, node=1, local=0)
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"

@@ -14,6 +14,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import (
     PROJECT,
+    assert_rank_logs,
     assert_same_metrics,
     only_run,
     processes_with_env,
@@ -24,6 +25,8 @@ from tests.conftest import (
 )
 
 SBATCH = PROJECT / "slurm" / "train.sbatch"
+EVAL_SBATCH = PROJECT / "slurm" / "eval.sbatch"
+INSTRUMENT = PROJECT / "tests" / "signal_at_step"
 
 
 @pytest.fixture(scope="session")
@@ -71,10 +74,23 @@ def test_sbatch_from_a_fresh_store_matches_two_devices(
     run_dir = tmp_path / "outputs" / "train" / "slurm" / job
     assert_same_metrics(run_dir, two_devices)
     node, local = (1, 0) if nodes == 2 else (0, 1)
-    log = (run_dir / "train.log").read_text()
-    assert f"rank 1/2 (node {node}, local {local})" in log, "srun's tasks are the ranks"
+    assert_rank_logs(run_dir, node, local)  # srun's tasks are the ranks
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
+    # slurm/eval.sbatch on the same allocation shape gives the test metrics training reported.
+    ckpt = next(p for p in (run_dir / "checkpoints").glob("*.ckpt") if p.name != "last.ckpt")
+    job, proc = sbatch(
+        tmp_path, f"--nodes={nodes}", f"--ntasks-per-node={per_node}", "--gpus-per-node=0",
+        str(EVAL_SBATCH), f"ckpt_path={ckpt}", f"data.root={tiny_root}",
+    )  # fmt: skip
+    output = (tmp_path / f"slurm-{job}.out").read_text()
+    assert proc.returncode == 0 and "Traceback" not in output, output[-5000:]
+    evaluated = read_metrics(tmp_path / "outputs" / "eval" / "slurm" / job)
+    trained = read_metrics(run_dir)
+    assert evaluated.keys() and all(k.startswith("test/") for k in evaluated)
+    assert {k: trained[k] for k in evaluated} == pytest.approx(evaluated, abs=1e-6)
+    _, evaluation = only_run(tmp_path / "mlflow.db", task="eval")
+    assert evaluation.info.status == "FINISHED" and evaluation.data.params["world_size"] == "2"
 
 
 @pytest.mark.slow
@@ -141,9 +157,13 @@ def wait_for_job(job: str, timeout: float = 300) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("when", ["training", "before-training"])
 def test_usr1_requeues_and_the_job_resumes_into_the_same_run(
-    slurm_cluster: None, tiny_root: Path, tmp_path: Path
+    when: str, slurm_cluster: None, tiny_root: Path, tmp_path: Path
 ) -> None:
+    """``training``: the stop checkpoints at its step and the requeued job resumes from it.
+    ``before-training``: the run is open but no step ran (every rank pauses in ``setup``, see
+    tests/signal_at_step); the requeued job starts over in that same run."""
     epochs = 4
     args = [*tiny_overrides(tiny_root), f"trainer.max_epochs={epochs}"]
     reference = tmp_path / "reference"
@@ -151,14 +171,17 @@ def test_usr1_requeues_and_the_job_resumes_into_the_same_run(
     run_entry("train", *args, "strategy=ddp", "devices=2", "logger=none",
               "hydra.run.dir=run", cwd=reference)  # fmt: skip
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(PROJECT)}
+    if when == "before-training":
+        env |= {"PYTHONPATH": f"{INSTRUMENT}:{PROJECT}", "PAUSE_IN_SETUP": "120"}
     submitted = subprocess.run(
         ["sbatch", "--gpus-per-node=0", str(SBATCH), *args], cwd=tmp_path, env=env,
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     job = re.search(r"Submitted batch job (\d+)", submitted.stdout).group(1)
     run_dir = tmp_path / "outputs" / "train" / "slurm" / job
+    under_way = {"training": "checkpoints/last.ckpt", "before-training": "mlflow_run_id.txt"}
     try:
-        wait_for_file(run_dir / "checkpoints/last.ckpt")  # training is under way
+        wait_for_file(run_dir / under_way[when])
         subprocess.run(["scancel", "--signal=USR1", job], check=True)  # as --signal=USR1@90
         state = wait_for_job(job)
     finally:
@@ -197,8 +220,7 @@ def test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks(
     assert all(r.info.status == "FINISHED" and r.data.params["world_size"] == "2" for r in runs)
     (sweep,) = (tmp_path / "outputs/train/multiruns").iterdir()
     for job in ("0", "1"):
-        log = (sweep / job / "train.log").read_text()
-        assert "rank 1/2 (node 0, local 1)" in log, "the job's SLURM tasks are its ranks"
+        assert_rank_logs(sweep / job, node=0, local=1)  # the job's SLURM tasks are its ranks
     script = next(sweep.glob(".submitit/*/*_submission.sh")).read_text()
     assert "--ntasks-per-node=2" in script and "--gpus-per-node=0" in script
 

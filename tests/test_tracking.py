@@ -19,6 +19,7 @@ from src.template.tracking import (
     mask_override,
     mask_secrets,
     prepare_store,
+    run_to_continue,
     without_password,
 )
 from tests.conftest import PROJECT, mlflow_server, read_metrics, run_entry, tiny_overrides
@@ -41,6 +42,18 @@ def test_prepare_store_creates_the_schema_once(tmp_path: Path) -> None:
     assert (tmp_path / "nested" / "mlflow.db").is_file()
     assert sorted(e.name for e in MlflowClient(uri).search_experiments()) == ["Default", "mnist"]
     prepare_store(uri, "mnist")  # an existing store is left as it is
+
+
+def test_logger_run_id_names_a_run_of_the_store(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    prepare_store(uri, "mnist")
+    client = MlflowClient(uri)
+    run = client.create_run(client.get_experiment_by_name("mnist").experiment_id)
+    named = [f"logger.tracking_uri={uri}", f"logger.run_id={run.info.run_id}"]
+    assert run_to_continue(None, compose_config("train", named, tmp_path)) == run.info.run_id
+    unknown = compose_config("train", [f"logger.tracking_uri={uri}", "logger.run_id=0ff"], tmp_path)
+    with pytest.raises(TrackingError, match="logger.run_id=0ff is not a run of sqlite:///"):
+        run_to_continue(None, unknown)
 
 
 def test_jobs_starting_together_on_a_fresh_store_all_get_it(tmp_path: Path) -> None:

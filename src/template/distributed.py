@@ -353,6 +353,7 @@ def job_scope() -> Iterator[None]:
     WORLD_SIZE, LOCAL_RANK, OMP_NUM_THREADS, ...) and the thread count.
     """
     threads = torch.get_num_threads()
+    separate_rank_log()
     try:
         with mock.patch.dict(os.environ):  # restores os.environ as it was on exit
             yield
@@ -360,3 +361,31 @@ def job_scope() -> Iterator[None]:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         torch.set_num_threads(threads)
+
+
+def external_rank() -> int | None:
+    """This process's rank when torchrun or srun started every rank (``None`` otherwise)."""
+    env = os.environ
+    if "RANK" in env:  # torchrun
+        return int(env["RANK"])
+    if "LOCAL_RANK" not in env and int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return int(env["SLURM_PROCID"])  # an srun task (Lightning's own ranks have LOCAL_RANK)
+    return None
+
+
+def separate_rank_log() -> None:
+    """Ranks started by torchrun or srun share one output folder, so they would all append to
+    Hydra's ``<task>.log``: ranks other than 0 write ``<task>_rank<N>.log`` instead (as those
+    Lightning starts write ``<task>_ddp_process_<N>.log``)."""
+    rank = external_rank()
+    if not rank:
+        return
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        path = Path(handler.baseFilename)
+        own = logging.FileHandler(path.with_name(f"{path.stem}_rank{rank}{path.suffix}"))
+        own.setFormatter(handler.formatter)
+        own.setLevel(handler.level)
+        root.removeHandler(handler)
+        handler.close()
+        root.addHandler(own)

@@ -264,9 +264,15 @@ def git_state(folder: Path) -> dict[str, str]:
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}
 
 
+RUN_ID_FILE = "mlflow_run_id.txt"  # in the output folder: the run a job (re)opened
+
+
 def run_to_continue(saved: Mapping[str, Any] | None, cfg: DictConfig) -> str | None:
-    """The MLflow run a resumed job continues: the one its checkpoint was written by, if that
-    run is in this job's store and ``logger.continue_run`` is true; else a new run."""
+    """The MLflow run a job continues: ``logger.run_id`` if set; for a resumed job, the one its
+    checkpoint was written by, if that run is in this job's store and ``logger.continue_run``
+    is true; else a new run."""
+    if cfg.logger.kind == "mlflow" and cfg.logger.get("run_id"):
+        return named_run(cfg)
     if not saved or cfg.logger.kind != "mlflow" or not cfg.logger.get("continue_run", True):
         return None
     source = saved.get("mlflow")
@@ -284,8 +290,29 @@ def run_to_continue(saved: Mapping[str, Any] | None, cfg: DictConfig) -> str | N
     return source["run_id"]
 
 
+def named_run(cfg: DictConfig) -> str:
+    """``logger.run_id``, checked (by rank 0) to be a run of this job's store."""
+    run_id = str(cfg.logger.run_id)
+    if launch_rank(requested_processes(cfg.accelerator, cfg.devices, 1)) != 0:
+        return run_id
+    from mlflow import MlflowClient
+
+    uri = cfg.logger.tracking_uri
+    not_a_run = f"logger.run_id={run_id} is not a run of {without_password(uri)}"
+    if uri.startswith(SQLITE_PREFIX) and not Path(uri.removeprefix(SQLITE_PREFIX)).is_file():
+        raise TrackingError(f"{not_a_run} (no such store). Leave it out to start a new run")
+    try:
+        MlflowClient(uri).get_run(run_id)
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0][:120]
+        raise TrackingError(f"{not_a_run} ({reason}). Leave it out to start a new run") from error
+    return run_id
+
+
 def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> None:
-    """Record the run's parameters; for MLflow in full, never silently cut short."""
+    """Record the run's parameters (for MLflow in full, never silently cut short) and, in the
+    output folder, which run this is: a job stopped before its first checkpoint is continued
+    with ``logger.run_id=`` (slurm/train.sbatch does so when it requeues one)."""
     params = run_params(cfg, trainer)
     for logger in loggers:
         if isinstance(logger, EpochMLFlowLogger) and logger.continued:
@@ -294,6 +321,8 @@ def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> No
             log_mlflow_params(logger, params)
         else:
             logger.log_hyperparams(params)
+        if isinstance(logger, MLFlowLogger):
+            Path(cfg.paths.output_dir, RUN_ID_FILE).write_text(logger.run_id + "\n")
 
 
 @rank_zero_only

@@ -4,18 +4,39 @@ Put this folder on ``PYTHONPATH`` and set ``SIGNAL_AT_STEP=<global step>:<signal
 ``ImageClassifier.training_step`` runs with ``global_step == <global step>`` on rank 0 (the
 launching process), that process gets the signal, as from ``kill -<signal> <pid>``. Stops then
 land at a known step instead of wherever a timer would put them.
+
+``PAUSE_IN_SETUP=<seconds>``: every rank sleeps that long in the model's ``setup`` (a first
+SLURM attempt only, not a requeued one), so a test can signal a job that has opened its run
+but not started training.
 """
 
 import importlib.abc
 import os
 import signal
 import sys
+import time
 
 TARGET = "src.task.model"
 
 
 def patch(module) -> None:
-    step, name = os.environ["SIGNAL_AT_STEP"].split(":")
+    if os.environ.get("PAUSE_IN_SETUP") and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+        pause_in_setup(module, float(os.environ["PAUSE_IN_SETUP"]))
+    if os.environ.get("SIGNAL_AT_STEP"):
+        signal_at_step(module, *os.environ["SIGNAL_AT_STEP"].split(":"))
+
+
+def pause_in_setup(module, seconds: float) -> None:
+    original = module.ImageClassifier.setup
+
+    def setup(self, stage):
+        time.sleep(seconds)
+        return original(self, stage)
+
+    module.ImageClassifier.setup = setup
+
+
+def signal_at_step(module, step: str, name: str) -> None:
     original = module.ImageClassifier.training_step
 
     def training_step(self, batch, batch_idx):
@@ -42,7 +63,7 @@ class PatchAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("SIGNAL_AT_STEP"):
+if os.environ.get("SIGNAL_AT_STEP") or os.environ.get("PAUSE_IN_SETUP"):
     import importlib.util
 
     sys.meta_path.insert(0, PatchAfterImport())
