@@ -92,7 +92,7 @@ def build_loggers(
     if kind == "csv":
         return [CSVLogger(save_dir=cfg.paths.output_dir, name="csv", version="")]
     if kind == "mlflow":
-        if launch_rank(requested_processes(cfg.accelerator, cfg.devices, 1)) != 0:
+        if not talks_to_store(cfg):
             return []
         uri = cfg.logger.tracking_uri
         prepare_store(uri, cfg.logger.experiment_name)
@@ -109,6 +109,19 @@ def build_loggers(
     raise ValueError(f"logger.kind={kind!r} is not one of mlflow, csv, none")
 
 
+def talks_to_store(cfg: DictConfig) -> bool:
+    """Only rank 0 opens the MLflow store: ranks started together (torchrun, srun) would race
+    to create a fresh store's schema."""
+    return launch_rank(requested_processes(cfg.accelerator, cfg.devices, 1)) == 0
+
+
+def sqlite_file(tracking_uri: str) -> Path | None:
+    """The database file of a SQLite store; None for a server."""
+    if not tracking_uri.startswith(SQLITE_PREFIX):
+        return None
+    return Path(tracking_uri.removeprefix(SQLITE_PREFIX))
+
+
 def mlflow_logger(loggers: list[Logger]) -> MLFlowLogger | None:
     return next((logger for logger in loggers if isinstance(logger, MLFlowLogger)), None)
 
@@ -116,9 +129,8 @@ def mlflow_logger(loggers: list[Logger]) -> MLFlowLogger | None:
 def artifact_location(tracking_uri: str) -> str | None:
     """For a SQLite store, artifacts go to ``mlartifacts/`` beside the database (the folder
     ``mlflow server`` uses by default); a remote server decides for itself."""
-    if not tracking_uri.startswith(SQLITE_PREFIX):
-        return None
-    return str(Path(tracking_uri.removeprefix(SQLITE_PREFIX)).resolve().parent / "mlartifacts")
+    database = sqlite_file(tracking_uri)
+    return str(database.resolve().parent / "mlartifacts") if database else None
 
 
 def prepare_store(tracking_uri: str, experiment_name: str) -> None:
@@ -127,9 +139,9 @@ def prepare_store(tracking_uri: str, experiment_name: str) -> None:
     store's folder is locked while its schema is created."""
     from mlflow import MlflowClient
 
-    if tracking_uri.startswith(SQLITE_PREFIX):
+    if database := sqlite_file(tracking_uri):
         try:
-            folder = Path(tracking_uri.removeprefix(SQLITE_PREFIX)).parent
+            folder = database.parent
             folder.mkdir(parents=True, exist_ok=True)
             with locked(folder):
                 ensure_experiment(MlflowClient(tracking_uri), experiment_name, tracking_uri)
@@ -278,7 +290,7 @@ def run_to_continue(saved: Mapping[str, Any] | None, cfg: DictConfig) -> str | N
     source = saved.get("mlflow")
     if not source or source["tracking_uri"] != without_password(cfg.logger.tracking_uri):
         return None
-    if launch_rank(requested_processes(cfg.accelerator, cfg.devices, 1)) != 0:
+    if not talks_to_store(cfg):
         return source["run_id"]  # only rank 0 talks to the store
     from mlflow import MlflowClient
 
@@ -293,13 +305,13 @@ def run_to_continue(saved: Mapping[str, Any] | None, cfg: DictConfig) -> str | N
 def named_run(cfg: DictConfig) -> str:
     """``logger.run_id``, checked (by rank 0) to be a run of this job's store."""
     run_id = str(cfg.logger.run_id)
-    if launch_rank(requested_processes(cfg.accelerator, cfg.devices, 1)) != 0:
+    if not talks_to_store(cfg):
         return run_id
     from mlflow import MlflowClient
 
     uri = cfg.logger.tracking_uri
     not_a_run = f"logger.run_id={run_id} is not a run of {without_password(uri)}"
-    if uri.startswith(SQLITE_PREFIX) and not Path(uri.removeprefix(SQLITE_PREFIX)).is_file():
+    if (database := sqlite_file(uri)) and not database.is_file():
         raise TrackingError(f"{not_a_run} (no such store). Leave it out to start a new run")
     try:
         MlflowClient(uri).get_run(run_id)
