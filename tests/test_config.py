@@ -35,6 +35,7 @@ def compose_config(name: str, overrides: list[str], workdir: Path) -> DictConfig
     with open_dict(cfg):
         cfg.hydra.runtime.cwd = str(workdir)
         cfg.hydra.runtime.output_dir = str(workdir / "out")
+    (workdir / "out").mkdir(exist_ok=True)  # Hydra creates it before the task function runs
     HydraConfig.instance().set_config(cfg)  # keeps its own copy of cfg.hydra
     OmegaConf.set_readonly(cfg, False)
     with open_dict(cfg):
