@@ -44,6 +44,10 @@ ClusterName=local
 SlurmctldHost=$HOST
 SlurmUser=root
 AuthType=auth/munge
+# A requeued job may start again cred_expire + 1 s later (default 120), and pending jobs are
+# looked at every sched_interval s (default 60): ~12 s in all, on a workstation.
+AuthInfo=cred_expire=10
+SchedulerParameters=sched_interval=2
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
