@@ -66,7 +66,10 @@ def stopped_job(workdir: Path, args: list[str], signal_at: str | None) -> int:
 CASES = {
     # name: devices, extra overrides, signal at step, exit code, step of last.ckpt, run status
     "sigterm-mid-epoch": (1, [], "14:SIGTERM", 143, 15, "KILLED"),
-    "sigterm-mid-epoch-2-ranks": (2, [], "14:SIGTERM", 143, 15, "KILLED"),
+    # Ranks agree every 3rd batch: asked in step 14 (batch 4 of epoch 1), they stop after 16.
+    "sigterm-mid-epoch-2-ranks": (
+        2, ["callbacks.stop_check_every_n_steps=3"], "14:SIGTERM", 143, 16, "KILLED",
+    ),
     "usr1-before-any-checkpoint": (1, [], "0:SIGUSR1", 138, 1, "KILLED"),
     "max-steps-mid-epoch": (1, ["+trainer.max_steps=14"], None, 0, 14, "FINISHED"),
     "workers-epoch-end-2-ranks": (2, ["data.num_workers=2"], "19:SIGINT", 130, 20, "KILLED"),

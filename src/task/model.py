@@ -87,7 +87,10 @@ class ImageClassifier(L.LightningModule):
         metrics = getattr(self, f"{stage}_metrics")
         metrics["loss"].update(losses.detach())
         metrics["acc"].update(logits.detach(), batch.labels)
-        metrics["samples"].update(batch.labels.numel())
+        # A device tensor (a fill, no copy): a Python int would be copied host-to-device per step.
+        metrics["samples"].update(
+            batch.labels.new_full((), batch.labels.numel(), dtype=torch.float)
+        )
         for name, metric in metrics.items():
             # Metric objects are computed (and synced across ranks) once, at epoch end.
             self.log(

@@ -1,9 +1,10 @@
 """How a job ends early: never hanging, never leaving orphan processes or a RUNNING run.
 
 * Ctrl-C, SIGTERM or SIGUSR1 (a scheduler's warning before preemption; :class:`StopOnSignal`):
-  during training the request is only recorded; at the end of the current step all ranks agree
-  (one tiny all-reduce per step), write ``last.ckpt`` *at that step* and stop together, so no
-  step is half-applied and no rank waits in a collective for one that left. Resuming from it
+  during training the request is only recorded; every ``callbacks.stop_check_every_n_steps``
+  training steps all ranks agree on it (one tiny all-reduce then, none in the steps between), write
+  ``last.ckpt`` *at that step* and stop together, so no step is half-applied and no rank waits
+  in a collective for one that left. Resuming from it
   continues the epoch exactly. A request in an epoch's last step or its validation lets the
   epoch end (validation, its checkpoint, its metrics) first. A second Ctrl-C stops at once.
   The run ends KILLED; exit code 128 + the signal's number (130, 143, 138).
@@ -42,9 +43,15 @@ def _in_main_thread() -> bool:
 
 class StopOnSignal(Callback):
     """Turns a stop signal into a stop that all ranks take at the same step boundary, with a
-    checkpoint of that step."""
+    checkpoint of that step.
 
-    def __init__(self) -> None:
+    Ranks agree every ``check_every_n_steps`` batches, not every step: on a GPU a step can take a
+    millisecond, and an agreement is a collective plus a device-to-host read. Alone, a process
+    checks its own flag at every step (no collective).
+    """
+
+    def __init__(self, check_every_n_steps: int = 1) -> None:
+        self.check_every_n_steps = check_every_n_steps
         self.requested: signal.Signals | None = None
         self._deferring = False  # True while training: stop at the next step boundary
 
@@ -76,6 +83,8 @@ class StopOnSignal(Callback):
 
     def _agreed(self, trainer: L.Trainer) -> bool:
         """Whether any rank was asked to stop (every rank calls this at the same point)."""
+        if trainer.world_size == 1:
+            return self.requested is not None
         if not trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False):
             return False
         self.requested = self.requested or signal.SIGTERM  # another rank was asked
@@ -85,10 +94,13 @@ class StopOnSignal(Callback):
         self._deferring = False
         raise KeyboardInterrupt(self.requested.name)
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, index: int
+    ) -> None:
         # The epoch's last step is left to the epoch end: a checkpoint written before its
         # validation would skip that validation on resume.
-        if not epoch_finished(trainer) and self._agreed(trainer):
+        due = trainer.world_size == 1 or (index + 1) % self.check_every_n_steps == 0
+        if due and not epoch_finished(trainer) and self._agreed(trainer):
             save_last(trainer)
             self._stop()
 

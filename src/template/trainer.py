@@ -67,6 +67,7 @@ def check_settings(cfg: DictConfig, fitting: bool) -> int:
         every = cfg.callbacks.checkpoint.get("every_n_train_steps")
         if every is not None:
             check_count("callbacks.checkpoint.every_n_train_steps", every, 1)
+        check_count("callbacks.stop_check_every_n_steps", cfg.callbacks.stop_check_every_n_steps, 1)
         per_device_batch_size(cfg.data.batch_size, world)
     # A trial build: Lightning's own checks of the trainer values, before anything is written.
     with as_config_error("trainer"), quiet("lightning.pytorch.utilities.rank_zero"):
@@ -82,7 +83,10 @@ def check_settings(cfg: DictConfig, fitting: bool) -> int:
 def build_callbacks(cfg: DictConfig, fitting: bool) -> list[Callback]:
     """Rank setup log, stop on signal and progress bar always; checkpointing and model summary
     when training."""
-    callbacks: list[Callback] = [LogRankSetup(), StopOnSignal()]
+    callbacks: list[Callback] = [
+        LogRankSetup(),
+        StopOnSignal(cfg.callbacks.stop_check_every_n_steps),
+    ]
     bar = cfg.callbacks.progress_bar
     if bar == "rich":
         callbacks.append(RichProgressBar())

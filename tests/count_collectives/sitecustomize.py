@@ -1,0 +1,88 @@
+"""Test instrument: counts Python-level ``torch.distributed`` collectives per training step.
+
+Put this folder on ``PYTHONPATH`` and set ``COUNT_COLLECTIVES=<folder>``: every rank writes
+``<folder>/rank<N>.json``, a list of ``[epoch, batch_idx, collectives]``: the collectives a rank
+called from the start of that batch's ``training_step`` to the start of the next one (its end of
+step hooks, Lightning's loop bookkeeping, the next step's start). A collective that calls another
+(``all_gather_object`` calls ``all_gather``) counts once.
+"""
+
+import atexit
+import functools
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+TARGET = "src.task.model"
+COLLECTIVES = (
+    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather",
+    "gather_object", "monitored_barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "scatter", "scatter_object_list",
+)  # fmt: skip
+
+steps: list[list[int]] = []  # [epoch, batch_idx, collectives since that step started]
+state = {"depth": 0, "rank": None}
+
+
+def count_collectives() -> None:
+    import torch.distributed as dist
+
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        @functools.wraps(original)
+        def counted(*args, __original=original, **kwargs):
+            if state["depth"] == 0 and steps:
+                steps[-1][2] += 1
+            state["depth"] += 1
+            try:
+                return __original(*args, **kwargs)
+            finally:
+                state["depth"] -= 1
+
+        setattr(dist, name, counted)
+
+
+def mark_steps(module) -> None:
+    original = module.ImageClassifier.training_step
+
+    def training_step(self, batch, batch_idx):
+        state["rank"] = self.trainer.global_rank
+        steps.append([self.current_epoch, batch_idx, 0])
+        return original(self, batch, batch_idx)
+
+    module.ImageClassifier.training_step = training_step
+
+
+def write() -> None:
+    if state["rank"] is not None:
+        folder = Path(os.environ["COUNT_COLLECTIVES"])
+        (folder / f"rank{state['rank']}.json").write_text(json.dumps(steps))
+
+
+class PatchAfterImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            mark_steps(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+if os.environ.get("COUNT_COLLECTIVES"):
+    count_collectives()
+    sys.meta_path.insert(0, PatchAfterImport())
+    atexit.register(write)

@@ -1,0 +1,68 @@
+"""The template adds no collective and no host sync to a training step (see issue #17).
+
+Lightning's DDP loop itself calls one collective per step (its SIGTERM broadcast at each step's
+start); the gradient all-reduce runs in DDP's C++ reducer and is not counted. Whatever the
+template adds is a regression: on a GPU a step of this network takes about a millisecond.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import PROJECT, run_entry, tiny_overrides
+
+INSTRUMENT = PROJECT / "tests" / "count_collectives"
+STRICT = PROJECT / "tests" / "sync_debug" / "train_strict.py"
+LIGHTNING_PER_STEP = 1  # lightning 2.6: _TrainingEpochLoop._broadcast_sigterm_tensor
+AGREEMENT = 2  # a stop check: Lightning's reduce_boolean_decision (all_reduce, barrier)
+
+
+@pytest.mark.slow
+def test_training_steps_call_only_lightnings_own_collectives(tiny_root: Path, tmp_path: Path):
+    every = 5
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(INSTRUMENT), str(PROJECT)]),
+        "COUNT_COLLECTIVES": str(tmp_path),
+    }
+    run_entry(
+        "train", *tiny_overrides(tiny_root), "strategy=ddp", "devices=2", "data.batch_size=16",
+        "trainer.max_epochs=2", f"callbacks.stop_check_every_n_steps={every}",
+        "hydra.run.dir=run", cwd=tmp_path, env=env,
+    )  # fmt: skip
+    for rank in (0, 1):
+        steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        # Steps followed by another step of the same epoch: no epoch end in between.
+        steady = [
+            (batch, count)
+            for (epoch, batch, count), (next_epoch, next_batch, _) in zip(
+                steps, steps[1:], strict=False
+            )
+            if (next_epoch, next_batch) == (epoch, batch + 1)
+        ]
+        assert len(steady) >= 30, steps
+        plain = {count for batch, count in steady if (batch + 1) % every}
+        checks = {count for batch, count in steady if (batch + 1) % every == 0}
+        assert plain == {LIGHTNING_PER_STEP}, f"rank {rank}: {steps}"
+        assert checks == {LIGHTNING_PER_STEP + AGREEMENT}, f"rank {rank}: {steps}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_templates_step_code_never_syncs_the_gpu(tiny_root: Path, tmp_path: Path):
+    """Steady-state steps of src.train with its per-step code (the model's training_step, the
+    template callbacks' batch hooks) under ``set_sync_debug_mode("error")``."""
+    args = [*tiny_overrides(tiny_root), "accelerator=gpu", "devices=1", "trainer.max_epochs=2"]
+    proc = subprocess.run(
+        [sys.executable, str(STRICT), *args, "logger=none", "hydra.run.dir=run"], cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)}, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    count = int(re.search(r"steps checked: (\d+)", proc.stdout).group(1))
+    assert count >= 20, proc.stdout[-3000:]
