@@ -71,6 +71,15 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         (["seed=abc"], "seed=abc is not valid: it must be a whole number >= 0"),
         (["data.batch_size=0"], "data.batch_size=0 is not valid: it must be a whole number >= 1"),
         (["data.num_workers=-1"], "data.num_workers=-1 must be 0 or more"),
+        (
+            ["data.device_resident=true", "data.num_workers=2"],
+            "data.device_resident=true slices batches on the device, in the main process; set "
+            "data.num_workers=0",
+        ),
+        (
+            ["callbacks.stop_check_every_n_steps=0"],
+            "callbacks.stop_check_every_n_steps=0 is not valid: it must be a whole number >= 1",
+        ),
         (["trainer.max_epochs=-1"], "trainer.max_epochs=-1 is not valid: it must be a whole"),
         (
             ["callbacks.checkpoint.every_n_train_steps=0"],
@@ -109,6 +118,8 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         "seed-word",
         "batch-size-0",
         "workers-negative",
+        "resident-with-workers",
+        "stop-check-every-0-steps",
         "endless-epochs",
         "checkpoint-every-0-steps",
         "precision-unknown",

@@ -253,6 +253,23 @@ def test_loader_batches_are_normalised(tmp_path: Path) -> None:
     assert sizes == [8] * 5
 
 
+def test_device_resident_loaders_give_the_same_batches(tmp_path: Path) -> None:
+    """data.device_resident: each split is copied once (here to the CPU "device") and sliced
+    there, with the same batches as the host path; the host copy stays for digests."""
+    make_dataset(tmp_path)
+    host, resident = make_module(tmp_path), make_module(tmp_path, device_resident=True)
+    for dm in (host, resident):
+        dm.setup("fit")
+    for loader in ("train_dataloader", "val_dataloader"):
+        ours = list(getattr(resident, loader)())
+        assert ours[0].images.device == resident._resident(resident.train_set).images.device
+        for a, b in zip(list(getattr(host, loader)()), ours, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert resident.train_dataloader().dataset is resident.train_dataloader().dataset  # once
+    assert resident.train_dataloader().dataset is not resident.train_set
+    assert resident.describe_splits() == host.describe_splits()
+
+
 def test_image_batches_work_with_any_sampler() -> None:
     ds = ImageBatches(torch.zeros(6, 1, 28, 28, dtype=torch.uint8), torch.arange(6), [0.0], [1.0])
     sampler = torch.utils.data.SequentialSampler(range(6))

@@ -257,20 +257,27 @@ def test_two_ranks_train_the_same_weights_as_one(tiny_root: Path, tmp_path: Path
         "logger=none",
     ]
     weights = {}
-    for devices in (1, 2):
-        run_dir = tmp_path / f"run{devices}"
+    # The third job slices its batches from data copied once to the device (data.device_resident).
+    for name, devices, more in (
+        (1, 1, []),
+        (2, 2, []),
+        ("2-resident", 2, ["data.device_resident=true"]),
+    ):
+        run_dir = tmp_path / f"run{name}"
         run_entry(
             "train",
             *overrides,
+            *more,
             "strategy=ddp",
             f"devices={devices}",
             f"hydra.run.dir={run_dir}",
             cwd=tmp_path,
         )
-        weights[devices] = final_weights(run_dir)
+        weights[name] = final_weights(run_dir)
         assert read_metrics(run_dir)["train/samples"] == (N_TRAIN - VAL_SIZE) // 32 * 32
     for name, value in weights[1].items():
-        torch.testing.assert_close(weights[2][name], value, atol=1e-5, rtol=1e-4, msg=name)
+        for other in (2, "2-resident"):
+            torch.testing.assert_close(weights[other][name], value, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def free_port() -> int:

@@ -3,8 +3,9 @@
 A dataset is an :class:`ImageDataModule` subclass that implements :meth:`~ImageDataModule.read`
 (the official train and test splits as one ``uint8 [N, C, H, W]`` tensor and ``int64`` labels),
 saves its config as hyperparameters (``self.save_hyperparameters(logger=False)``: at least
-``name``, ``batch_size``, ``val_size``, ``num_workers``, ``split_seed``, ``shuffle_seed`` and
-``pin_memory``, the keys every ``conf/data/*.yaml`` has) and sets, in its ``__init__``:
+``name``, ``batch_size``, ``val_size``, ``num_workers``, ``split_seed``, ``shuffle_seed``,
+``pin_memory`` and ``device_resident``, the keys every ``conf/data/*.yaml`` has) and sets, in
+its ``__init__``:
 
 * ``image_shape`` -- ``(C, H, W)`` of every image; networks are built from it;
 * ``classes`` -- class names, index = label;
@@ -17,6 +18,7 @@ official split), a digest per split, batched fetches (one vectorised index per b
 per-sample Python) and the samplers that make results independent of the world size.
 """
 
+import copy
 import hashlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -78,8 +80,15 @@ class ImageBatches(Dataset):
         md5.update(self.labels.numpy().tobytes())
         return md5.hexdigest()
 
+    def to(self, device: torch.device) -> "ImageBatches":
+        """This split on ``device`` (a copy; the original stays for digests and figures)."""
+        moved = copy.copy(self)
+        for name in ("images", "labels", "mean", "std", "source_indices"):
+            setattr(moved, name, getattr(self, name).to(device))
+        return moved
+
     def __getitems__(self, indices: list[int]) -> Batch:
-        idx = torch.as_tensor(indices, dtype=torch.long)
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.images.device)
         images = self.images[idx].float().div_(255).sub_(self.mean).div_(self.std)
         return Batch(images, self.labels[idx], self.source_indices[idx])
 
@@ -128,6 +137,7 @@ class ImageDataModule(LightningDataModule):
         self.train_set: ImageBatches | None = None
         self.val_set: ImageBatches | None = None
         self.test_set: ImageBatches | None = None
+        self._on_device: dict[int, ImageBatches] = {}  # data.device_resident: id(split) -> copy
 
     # --- what a dataset implements
 
@@ -179,6 +189,11 @@ class ImageDataModule(LightningDataModule):
         any run or process starts, so missing, corrupt or too-small data fails first."""
         if self.hparams.num_workers < 0:
             raise DataError(f"data.num_workers={self.hparams.num_workers} must be 0 or more")
+        if self.hparams.get("device_resident") and self.hparams.num_workers:
+            raise DataError(
+                "data.device_resident=true slices batches on the device, in the main process; "
+                "set data.num_workers=0"
+            )
         if stage in (None, "fit", "validate") or (
             stage == "predict" and self.predict_split != "test"
         ):
@@ -229,18 +244,27 @@ class ImageDataModule(LightningDataModule):
     def _on_gpu(self) -> bool:
         return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
 
+    def _resident(self, dataset: ImageBatches) -> ImageBatches:
+        """``data.device_resident``: the split's uint8 pixels moved to the training device once
+        (MNIST's 60,000 images are 47 MB), so no batch is ever copied host-to-device."""
+        if id(dataset) not in self._on_device:
+            device = self.trainer.strategy.root_device if self.trainer else torch.device("cpu")
+            self._on_device[id(dataset)] = dataset.to(device)
+        return self._on_device[id(dataset)]
+
     def _loader(self, dataset: ImageBatches | None, sampler: Sampler) -> DataLoader:
         if dataset is None:
             raise DataError("dataloader requested before setup() loaded its split")
+        resident = bool(self.hparams.get("device_resident"))
         workers = self.hparams.num_workers
         return DataLoader(
-            dataset,
+            self._resident(dataset) if resident else dataset,
             batch_size=self.per_device_batch_size,
             sampler=sampler,
             num_workers=workers,
             persistent_workers=workers > 0,
             # Only a GPU benefits; Lightning then copies pinned batches with non_blocking=True.
-            pin_memory=self.hparams.pin_memory and self._on_gpu(),
+            pin_memory=self.hparams.pin_memory and self._on_gpu() and not resident,
             collate_fn=keep_batch,
         )
 

@@ -90,6 +90,7 @@ class ImageFolderDataModule(ImageDataModule):
         split_seed: int = 12345,
         shuffle_seed: int = 0,
         pin_memory: bool = False,
+        device_resident: bool = False,
     ) -> None:
         if channels not in MODES:
             raise DataError(f"data.channels={channels} must be 1 (grayscale) or 3 (RGB)")

@@ -234,6 +234,7 @@ class MNISTDataModule(ImageDataModule):
         split_seed: int = 12345,
         shuffle_seed: int = 0,
         pin_memory: bool = False,
+        device_resident: bool = False,
     ) -> None:
         if name not in DATASETS:
             raise DataError(f"data.name={name!r} is unknown; valid names: {', '.join(DATASETS)}")
