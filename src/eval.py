@@ -48,7 +48,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     loggers = tracking.build_loggers(cfg, extra_tags=tags)
     trainer = build_trainer(cfg, loggers, fitting=False)
     run_loop = {"test": trainer.test, "val": trainer.validate}[cfg.split]
-    with run_lifecycle(trainer):
+    with tracking.sending(loggers, cfg.logger.get("send_timeout_s", 0)), run_lifecycle(trainer):
         tracking.log_config(loggers, cfg, trainer)
         metrics = run_loop(model, datamodule=datamodule)[0]
         reporting.report_metrics(metrics, Path(cfg.paths.output_dir))

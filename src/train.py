@@ -53,7 +53,7 @@ def train(cfg: DictConfig) -> float | None:
     extra = [checkpoint.SeedEachBatch(seed), *tracking.callbacks(loggers, cfg)]
     trainer = build_trainer(cfg, loggers, fitting=True, extra_callbacks=extra)
     out = Path(cfg.paths.output_dir)
-    with run_lifecycle(trainer):
+    with tracking.sending(loggers, cfg.logger.get("send_timeout_s", 0)), run_lifecycle(trainer):
         tracking.log_config(loggers, cfg, trainer)
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}

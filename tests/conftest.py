@@ -76,13 +76,13 @@ def run_entry(
 class Job:
     """A training job running in the background, in its own session so nothing outlives it."""
 
-    def __init__(self, workdir: Path, *overrides: str) -> None:
+    def __init__(self, workdir: Path, *overrides: str, env: dict[str, str] | None = None) -> None:
         self.run_dir = workdir / "run"
         self.last = self.run_dir / "checkpoints" / "last.ckpt"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "src.train", *overrides, f"hydra.run.dir={self.run_dir}"],
             cwd=workdir,
-            env={**os.environ, "PYTHONPATH": str(PROJECT)},
+            env={**os.environ, "PYTHONPATH": str(PROJECT), **(env or {})},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -118,8 +118,8 @@ class Job:
 def job_factory(tiny_root: Path, tmp_path: Path) -> Iterator:
     jobs: list[Job] = []
 
-    def start(*overrides: str) -> Job:
-        jobs.append(Job(tmp_path, *tiny_overrides(tiny_root), *overrides))
+    def start(*overrides: str, env: dict[str, str] | None = None) -> Job:
+        jobs.append(Job(tmp_path, *tiny_overrides(tiny_root), *overrides, env=env))
         return jobs[-1]
 
     yield start

@@ -165,3 +165,46 @@ def test_unreachable_server_stops_the_job_before_training(tiny_root: Path, tmp_p
     assert f"MLflow server http://127.0.0.1:{port} is not reachable" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists(), "no training happened"
+
+
+# --- system metrics
+
+SLOW_STEPS = {  # each training step 0.2 s longer (tests/signal_at_step): a job lasts ~10 s
+    "PYTHONPATH": os.pathsep.join([str(PROJECT / "tests" / "signal_at_step"), str(PROJECT)]),
+    "SLEEP_PER_STEP": "0.2",
+}
+
+
+def system_metric_keys(client: MlflowClient) -> set[str]:
+    (run,) = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+    return {key for key in run.data.metrics if key.startswith("system/")}
+
+
+@pytest.mark.slow
+def test_system_metrics_are_sampled_while_a_job_trains(tiny_root: Path, tmp_path: Path) -> None:
+    overrides = ["trainer.max_epochs=3", "logger.system_metrics_s=1", "hydra.run.dir=run"]
+    run_entry("train", *tiny_overrides(tiny_root), *overrides, cwd=tmp_path, env=SLOW_STEPS)
+    keys = system_metric_keys(MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}"))
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= keys
+
+
+@pytest.mark.slow
+def test_system_metrics_come_from_every_node(
+    server_url: str, tiny_root: Path, tmp_path: Path
+) -> None:
+    """Two torchrun "nodes" on this host, one rank each, against a server: each node samples."""
+    from tests.test_distributed import free_port, launch_together
+
+    port = free_port()
+    train = ["-m", "src.train", *tiny_overrides(tiny_root), "trainer.max_epochs=3",
+             "strategy=ddp", "devices=1", "num_nodes=2", f"logger.tracking_uri={server_url}",
+             "logger.system_metrics_s=1", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    commands = [
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+         "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", *train]
+        for node in (0, 1)
+    ]  # fmt: skip
+    launch_together(commands, [SLOW_STEPS] * 2, cwd=tmp_path)
+    keys = system_metric_keys(MlflowClient(server_url))
+    for node in ("node0", "node1"):
+        assert f"system/{node}/cpu_utilization_percentage" in keys, sorted(keys)

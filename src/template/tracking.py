@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.template.checkpoint import epoch_finished
 from src.template.distributed import SWEEP_JOB_ENV, launch_rank, requested_processes
+from src.template.outbox import Outbox, OutboxClient, Sender
 
 SQLITE_PREFIX = "sqlite:///"
 MASK = "***"
@@ -55,8 +57,23 @@ class EpochMLFlowLogger(MLFlowLogger):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.continued = kwargs.get("run_id") is not None
-        self._last_step: dict[str, int] = {}
+        self._last_step: dict[str, int] = {}  # a continued run's last step per metric
         self.cut_epoch: int | None = None
+        self.sender: Sender | None = None  # set by send_through_outbox
+
+    @property
+    def experiment(self) -> Any:
+        """The client, once the run is open; with an outbox, one whose writes are queued."""
+        client = super().experiment
+        return OutboxClient(client, self.sender.outbox) if self.sender else client
+
+    @rank_zero_only
+    def finalize(self, status: str = "success") -> None:
+        if self.sender is None:
+            return super().finalize(status)
+        # Lightning's finalize asks the server whether the run exists first: it may be away.
+        status = {"success": "FINISHED", "failed": "FAILED", "finished": "FINISHED"}.get(status)
+        self.experiment.set_terminated(self.run_id, status or "KILLED")
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -72,10 +89,7 @@ class EpochMLFlowLogger(MLFlowLogger):
             self._last_step.update(dict.fromkeys(metrics, step if step is not None else -1))
 
     def _logged_until(self, key: str) -> int:
-        if key not in self._last_step:
-            history = self.experiment.get_metric_history(self.run_id, key)
-            self._last_step[key] = max((m.step for m in history), default=-1)
-        return self._last_step[key]
+        return self._last_step.get(key, -1)  # read from the run when it was reopened
 
 
 def build_loggers(
@@ -335,6 +349,42 @@ def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> No
             logger.log_hyperparams(params)
         if isinstance(logger, MLFlowLogger):
             Path(cfg.paths.output_dir, RUN_ID_FILE).write_text(logger.run_id + "\n")
+        if isinstance(logger, EpochMLFlowLogger) and not sqlite_file(cfg.logger.tracking_uri):
+            send_through_outbox(logger, Path(cfg.paths.output_dir), cfg.logger.tracking_uri)
+
+
+def send_through_outbox(logger: EpochMLFlowLogger, folder: Path, tracking_uri: str) -> None:
+    """From now on the run's records go through a durable outbox (src/template/outbox.py), sent
+    by a background thread: the job never waits for the server."""
+    outbox = Outbox(folder, without_password(tracking_uri))
+    logger.sender = Sender(outbox, logger.experiment)
+    logger.sender.start()
+
+
+@contextmanager
+def sending(loggers: list[Logger], timeout_s: float) -> Iterator[None]:
+    """At the end of the job, wait up to ``timeout_s`` for the outbox to be sent; what is left
+    is said in one line, with the command that sends it. The job's outcome stays its own."""
+    try:
+        yield
+    finally:
+        logger = mlflow_logger(loggers)
+        sender = getattr(logger, "sender", None)
+        if sender is not None:
+            pending = sender.drain(timeout_s)
+            sender.stopping.set()
+            sender.outbox.close()
+            if pending:
+                folder = sender.outbox.path.parent
+                reason = str(sender.last_error or "").strip().splitlines()[:1]
+                print(
+                    f"MLflow server {sender.outbox.tracking_uri} did not take "
+                    f"{pending} record(s) of run {logger.run_id} "
+                    f"({reason[0][:120] if reason else 'no answer yet'}); they are kept in "
+                    f"{folder}. Send them when it is back: python -m src.sync {folder}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 @rank_zero_only
@@ -349,6 +399,9 @@ def reopen_run(logger: EpochMLFlowLogger, params: Mapping[str, Any]) -> None:
     old = run.data.params
     changed = [f"{k}: {old[k]} -> {v}" for k, v in params.items() if k in old and old[k] != str(v)]
     logger.experiment.update_run(logger.run_id, status="RUNNING")
+    for key in run.data.metrics:  # now, while the server answers: see _logged_until
+        history = logger.experiment.get_metric_history(logger.run_id, key)
+        logger._last_step[key] = max((m.step for m in history), default=-1)
     # The first job's tags stay; this job's differing ones (command, folder) go under resume.<n>.
     tags = {
         f"resume.{count}.{key}": value
@@ -447,10 +500,65 @@ def attach_to_source_run(source: Mapping[str, str] | None, path: Path, folder: s
 
 
 def callbacks(loggers: list[Logger], cfg: DictConfig) -> list[Callback]:
+    """On rank 0, the run's bookkeeping; on every rank, system metrics (one sampler per node)."""
     logger = mlflow_logger(loggers)
-    if logger is None:
-        return []
-    return [RecordRunInCheckpoint(logger, cfg.logger.tracking_uri), SkipCutEpoch(logger)]
+    found: list[Callback] = []
+    if logger is not None:
+        found += [RecordRunInCheckpoint(logger, cfg.logger.tracking_uri), SkipCutEpoch(logger)]
+    if cfg.logger.kind == "mlflow" and cfg.logger.get("system_metrics_s"):
+        found.append(SystemMetrics(logger, cfg.logger.tracking_uri, cfg.logger.system_metrics_s))
+    return found
+
+
+class SystemMetrics(Callback):
+    """MLflow's system metrics (CPU, memory, disk, network; per GPU utilisation, memory and
+    power) in the job's run, the UI's "System metrics" tab, while it trains.
+
+    MLflow starts its monitor only for runs of ``mlflow.start_run``; this starts one for the run
+    the logger made, in the first process of every node (``system/node<k>/...`` when there are
+    several nodes). Against a SQLite store only rank 0's node samples: a database file is no
+    place for writers on other machines.
+    """
+
+    def __init__(self, logger: MLFlowLogger | None, tracking_uri: str, every_s: float) -> None:
+        self.logger, self.tracking_uri, self.every_s = logger, tracking_uri, every_s
+        self.monitor: Any = None
+        self.lock, self.stopped = threading.Lock(), False
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Once per job, at fit start: the other nodes learn the run id from rank 0.
+        run_id = trainer.strategy.broadcast(self.logger.run_id if self.logger else None)
+        if trainer.local_rank != 0 or run_id is None:
+            return
+        if trainer.global_rank != 0 and sqlite_file(self.tracking_uri):
+            return
+        node = f"node{trainer.node_rank}" if trainer.num_nodes > 1 else None
+        # In the background: MLflow's monitor asks the server for the run when it is made.
+        threading.Thread(target=self._start, args=(run_id, node), daemon=True).start()
+
+    def _start(self, run_id: str, node: str | None) -> None:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(
+            run_id,
+            sampling_interval=self.every_s,
+            resume_logging=True,  # a resumed job continues the steps of the run
+            node_id=node,
+            tracking_uri=self.tracking_uri,
+        )
+        with self.lock:
+            if not self.stopped:
+                self.monitor = monitor
+                monitor.start()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        with self.lock:
+            self.stopped, monitor, self.monitor = True, self.monitor, None
+        if monitor is not None:
+            # finish() joins the sampler, which may be waiting for a server that is away.
+            stopping = threading.Thread(target=monitor.finish, daemon=True)
+            stopping.start()
+            stopping.join(timeout=5)
 
 
 class SkipCutEpoch(Callback):

@@ -8,6 +8,9 @@ land at a known step instead of wherever a timer would put them.
 ``PAUSE_IN_SETUP=<seconds>``: every rank sleeps that long in the model's ``setup`` (a first
 SLURM attempt only, not a requeued one), so a test can signal a job that has opened its run
 but not started training.
+
+``SLEEP_PER_STEP=<seconds>``: every training step takes that much longer, so a test can act
+while a job is still training (stop a server, look at its progress).
 """
 
 import importlib.abc
@@ -24,6 +27,18 @@ def patch(module) -> None:
         pause_in_setup(module, float(os.environ["PAUSE_IN_SETUP"]))
     if os.environ.get("SIGNAL_AT_STEP"):
         signal_at_step(module, *os.environ["SIGNAL_AT_STEP"].split(":"))
+    if os.environ.get("SLEEP_PER_STEP"):
+        sleep_per_step(module, float(os.environ["SLEEP_PER_STEP"]))
+
+
+def sleep_per_step(module, seconds: float) -> None:
+    original = module.ImageClassifier.training_step
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(seconds)
+        return original(self, batch, batch_idx)
+
+    module.ImageClassifier.training_step = training_step
 
 
 def pause_in_setup(module, seconds: float) -> None:
@@ -63,7 +78,7 @@ class PatchAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("SIGNAL_AT_STEP") or os.environ.get("PAUSE_IN_SETUP"):
+if any(os.environ.get(name) for name in ("SIGNAL_AT_STEP", "PAUSE_IN_SETUP", "SLEEP_PER_STEP")):
     import importlib.util
 
     sys.meta_path.insert(0, PatchAfterImport())

@@ -1,0 +1,64 @@
+"""``python -m src.sync OUTPUT_DIR``: send what a job could not send to its MLflow server.
+
+A job whose server was away at its end keeps the records in ``OUTPUT_DIR/mlflow_outbox.jsonl``
+(see src/template/outbox.py) and says so. This sends them, in order, and sets the run's final
+status (FAILED for a job that died before it set one). Run it any time, from any machine that
+sees the folder and the server; run again, it changes nothing.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from unittest import mock
+
+from src.template.outbox import Outbox, OutboxBusy, encode
+
+# Fail within seconds when the server is still away, rather than after MLflow's minutes of retries.
+QUICK = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
+def sync(folder: Path, tracking_uri: str | None = None) -> str:
+    """Send the outbox of ``folder``; what was done, in one line."""
+    from mlflow import MlflowClient
+
+    outbox = Outbox(folder)
+    try:
+        uri = tracking_uri or outbox.tracking_uri
+        run_id = outbox.run_id
+        if run_id is None:
+            return f"nothing to send: {outbox.path} holds no record"
+        if not outbox.ended:  # the job died before it could end its run
+            outbox.append(encode("set_terminated", run_id, status="FAILED"))
+        client, count = MlflowClient(uri), outbox.pending
+        with mock.patch.dict(os.environ, QUICK):
+            while outbox.pending:
+                try:
+                    outbox.send_next(client)
+                except Exception as error:
+                    reason = str(error).strip().splitlines()[0][:160]
+                    raise ConnectionError(
+                        f"MLflow server {uri} did not take a record ({reason}); "
+                        f"{outbox.pending} still pending. Run this again when it answers"
+                    ) from error
+            status = client.get_run(run_id).info.status
+    finally:
+        outbox.close()
+    return f"sent {count} record(s) to {uri}: run {run_id} is {status}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output_dir", type=Path, help="the job's output folder")
+    parser.add_argument("--tracking-uri", help="the server, if not the one the job used")
+    args = parser.parse_args(argv)
+    try:
+        print(sync(args.output_dir, args.tracking_uri))
+    except (OutboxBusy, FileNotFoundError, ConnectionError) as error:
+        print(f"Error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

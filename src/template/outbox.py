@@ -1,0 +1,235 @@
+"""Tracking never waits for the MLflow server: a durable outbox between the job and the server.
+
+Once a job's run is open (that needs the server: one that does not answer is refused at
+start), everything the job writes to the run -- metrics, params, tags, dataset inputs,
+artifacts, the final status -- is appended to ``<output folder>/mlflow_outbox.jsonl``, fsynced,
+and sent in order by a background thread. An outage of any length delays records, never a
+training step. Records keep the time they were made, and MLflow stores a metric it already has
+once, so a record sent twice (the server took it, its answer was lost) is not duplicated.
+What a job could not send by its end, ``python -m src.sync OUTPUT_DIR`` sends later.
+
+SQLite stores are written directly: a local file has no outages.
+"""
+
+import base64
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+OUTBOX_FILE = "mlflow_outbox.jsonl"  # one JSON record per line, the first one a header
+SENT_FILE = "mlflow_outbox.sent"  # how many records the server has taken
+WRITES = ("log_batch", "set_tag", "update_run", "set_terminated", "log_artifact", "log_inputs")
+
+
+class OutboxBusy(RuntimeError):
+    """Another process (the job itself, or another sync) is sending this outbox."""
+
+
+# --- records: a client call as one line of JSON, and back
+
+
+def encode(method: str, run_id: str, **kwargs: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {"method": method, "run_id": run_id}
+    if method == "log_batch":
+        record["metrics"] = [
+            [m.key, m.value, m.timestamp, m.step] for m in kwargs.get("metrics") or ()
+        ]
+        record["params"] = [[p.key, p.value] for p in kwargs.get("params") or ()]
+        record["tags"] = [[t.key, t.value] for t in kwargs.get("tags") or ()]
+    elif method == "set_tag":
+        record["key"], record["value"] = kwargs["key"], str(kwargs["value"])
+    elif method == "update_run":
+        record["status"], record["name"] = kwargs.get("status"), kwargs.get("name")
+    elif method == "set_terminated":
+        record["status"] = kwargs.get("status") or "FINISHED"
+        record["end_time"] = kwargs.get("end_time") or int(time.time() * 1000)  # now, not sync time
+    elif method == "log_artifact":
+        record["local_path"] = str(Path(kwargs["local_path"]).resolve())
+        record["artifact_path"] = kwargs.get("artifact_path")
+    elif method == "log_inputs":
+        record["datasets"] = [
+            base64.b64encode(d.to_proto().SerializeToString()).decode()
+            for d in kwargs.get("datasets") or ()
+        ]
+    else:
+        raise ValueError(f"the outbox does not carry {method}")
+    return record
+
+
+def send(client: Any, record: dict[str, Any]) -> None:
+    """Make the client call a record stands for."""
+    from mlflow.entities import DatasetInput, Metric, Param, RunTag
+    from mlflow.protos.service_pb2 import DatasetInput as DatasetInputProto
+
+    method, run_id = record["method"], record["run_id"]
+    if method == "log_batch":
+        client.log_batch(
+            run_id,
+            metrics=[Metric(k, v, ts, step) for k, v, ts, step in record["metrics"]],
+            params=[Param(k, v) for k, v in record["params"]],
+            tags=[RunTag(k, v) for k, v in record["tags"]],
+        )
+    elif method == "set_tag":
+        client.set_tag(run_id, record["key"], record["value"])
+    elif method == "update_run":
+        client.update_run(run_id, status=record["status"], name=record["name"])
+    elif method == "set_terminated":
+        client.set_terminated(run_id, record["status"], end_time=record["end_time"])
+    elif method == "log_artifact":
+        client.log_artifact(run_id, record["local_path"], record["artifact_path"])
+    elif method == "log_inputs":
+        protos = [DatasetInputProto.FromString(base64.b64decode(d)) for d in record["datasets"]]
+        client.log_inputs(run_id, datasets=[DatasetInput.from_proto(p) for p in protos])
+
+
+def refused(error: Exception) -> bool:
+    """The server answered and said no (or the file is gone): sending again cannot help."""
+    from mlflow.exceptions import RestException
+
+    if isinstance(error, FileNotFoundError):
+        return True
+    return isinstance(error, RestException) and error.get_http_status_code() < 500
+
+
+# --- the outbox
+
+
+class Outbox:
+    """The records of one job's run, on disk, and how many of them the server has.
+
+    The process that opens it holds an exclusive lock on the file until it closes it (or dies),
+    so the job and ``src.sync`` never send the same outbox at once.
+    """
+
+    def __init__(self, folder: Path, tracking_uri: str | None = None) -> None:
+        self.path, self.sent_path = folder / OUTBOX_FILE, folder / SENT_FILE
+        if tracking_uri is None and not self.path.is_file():
+            raise FileNotFoundError(f"{self.path} does not exist: nothing was queued there")
+        self.file = self.path.open("a+", encoding="utf-8")
+        try:
+            fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            raise OutboxBusy(f"{self.path} is being sent by a running job or sync") from None
+        self.file.seek(0)
+        text = self.file.read()
+        if not text.endswith("\n"):  # a record cut by a crash was never logged: drop it
+            text = text[: text.rfind("\n") + 1]
+            self.file.truncate(len(text.encode()))
+        self.records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        if not self.records:
+            self._write({"tracking_uri": tracking_uri})
+        self.tracking_uri: str = self.records[0]["tracking_uri"]
+        self.sent = int(self.sent_path.read_text()) if self.sent_path.is_file() else 1
+        self.changed = threading.Condition()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.records.append(record)
+
+    def append(self, record: dict[str, Any]) -> None:
+        with self.changed:
+            self._write(record)
+            self.changed.notify_all()
+
+    @property
+    def pending(self) -> int:
+        return len(self.records) - self.sent
+
+    @property
+    def run_id(self) -> str | None:
+        return next((r["run_id"] for r in self.records[1:]), None)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the job recorded the run's final status (the last status it set)."""
+        statuses = [r for r in self.records[1:] if r["method"] in ("set_terminated", "update_run")]
+        return bool(statuses) and statuses[-1]["method"] == "set_terminated"
+
+    def send_next(self, client: Any) -> None:
+        """Send the oldest unsent record; raises what the client raised if it was not taken."""
+        record = self.records[self.sent]
+        try:
+            send(client, record)
+        except Exception as error:
+            if not refused(error):
+                raise
+            log.warning("MLflow refused a %s record, left out: %s", record["method"], error)
+        with self.changed:
+            self.sent += 1
+            temporary = self.sent_path.with_suffix(".tmp")
+            temporary.write_text(str(self.sent))
+            temporary.replace(self.sent_path)
+            self.changed.notify_all()
+
+    def close(self) -> None:
+        self.file.close()  # and the lock with it
+
+
+class Sender(threading.Thread):
+    """Sends an outbox's records in the background, in order, retrying until each is taken."""
+
+    def __init__(self, outbox: Outbox, client: Any) -> None:
+        super().__init__(daemon=True, name="mlflow-outbox")
+        self.outbox, self.client = outbox, client
+        self.stopping = threading.Event()
+        self.last_error: Exception | None = None
+
+    def run(self) -> None:
+        backoff = 1.0
+        while not self.stopping.is_set():
+            with self.outbox.changed:
+                if not self.outbox.pending:
+                    self.outbox.changed.wait(timeout=1.0)
+                    continue
+            try:
+                self.outbox.send_next(self.client)
+                backoff, self.last_error = 1.0, None
+            except Exception as error:  # the server is away: keep the record, try again
+                self.last_error = error
+                self.stopping.wait(backoff)
+                backoff = min(2 * backoff, 10.0)
+
+    def drain(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for every record to be sent; the number still pending."""
+        deadline = time.monotonic() + timeout_s
+        with self.outbox.changed:
+            while self.outbox.pending and time.monotonic() < deadline:
+                self.outbox.changed.wait(timeout=min(1.0, deadline - time.monotonic()))
+            return self.outbox.pending
+
+
+class OutboxClient:
+    """An ``MlflowClient`` whose writes to the run go through the outbox; reads go to the server."""
+
+    def __init__(self, client: Any, outbox: Outbox) -> None:
+        self._client, self._outbox = client, outbox
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in WRITES:
+            return getattr(self._client, name)
+
+        def queued(run_id: str, *args: Any, **kwargs: Any) -> None:
+            names = {
+                "set_tag": ("key", "value"),
+                "update_run": ("status", "name"),
+                "set_terminated": ("status", "end_time"),
+                "log_artifact": ("local_path", "artifact_path"),
+                "log_inputs": ("datasets", "models"),
+                "log_batch": ("metrics", "params", "tags"),
+            }[name]
+            kwargs.pop("synchronous", None)  # queued calls return at once anyway
+            self._outbox.append(
+                encode(name, run_id, **dict(zip(names, args, strict=False)), **kwargs)
+            )
+
+        return queued

@@ -1,0 +1,219 @@
+"""The MLflow outbox: records on disk, sent in order, once, whatever the server does.
+
+The jobs below run against a real ``mlflow server`` that the test stops (its whole process
+group) and starts again on the same port and store, as an outage would.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from mlflow.entities import Metric
+
+from src.template.outbox import OUTBOX_FILE, Outbox, OutboxBusy, OutboxClient, Sender, encode
+from tests.conftest import PROJECT, mlflow_server
+
+INSTRUMENT = PROJECT / "tests" / "signal_at_step"
+EPOCHS = 5
+OUTAGE_EPOCHS = 8  # each takes ~2.5 s: the 15 s outage ends before training does
+
+
+# --- the outbox on its own, against a SQLite store
+
+
+def sqlite_run(tmp_path: Path) -> tuple[MlflowClient, str]:
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("outbox")
+    return client, client.create_run(experiment).info.run_id
+
+
+def test_records_are_sent_in_order_once_and_survive_a_restart(tmp_path: Path) -> None:
+    client, run_id = sqlite_run(tmp_path)
+    outbox = Outbox(tmp_path, "sqlite:///x")
+    queued = OutboxClient(client, outbox)
+    for step in range(3):
+        queued.log_batch(run_id, metrics=[Metric("loss", 1.0 / (step + 1), 1000 + step, step)])
+    queued.set_tag(run_id, "note", "hello")
+    assert client.get_run(run_id).data.metrics == {}, "queued, not sent"
+    outbox.send_next(client)
+    outbox.close()  # as if the job died here
+
+    again = Outbox(tmp_path)
+    assert again.pending == 3 and again.tracking_uri == "sqlite:///x"
+    again.sent -= 1  # the server took a record but its answer was lost: sent again
+    while again.pending:
+        again.send_next(client)
+    again.close()
+    history = client.get_metric_history(run_id, "loss")
+    assert [m.step for m in history] == [0, 1, 2], "each step once"
+    assert client.get_run(run_id).data.tags["note"] == "hello"
+
+
+def test_one_process_sends_an_outbox_at_a_time(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path, "sqlite:///x")
+    with pytest.raises(OutboxBusy, match="is being sent by a running job or sync"):
+        Outbox(tmp_path)
+    outbox.close()
+    Outbox(tmp_path).close()
+
+
+def test_the_sender_skips_a_record_the_server_refuses(tmp_path: Path) -> None:
+    client, run_id = sqlite_run(tmp_path)
+    outbox = Outbox(tmp_path, "sqlite:///x")
+    sender = Sender(outbox, client)
+    sender.start()
+    outbox.append(encode("log_artifact", run_id, local_path=tmp_path / "gone.txt"))
+    outbox.append(encode("set_terminated", run_id, status="FINISHED"))
+    assert sender.drain(30) == 0
+    sender.stopping.set()
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+# --- jobs against a real server that goes away
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator:
+    """``with server():`` runs the same ``mlflow server`` (port, store, artifacts) each time."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [
+        "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+        "--artifacts-destination", str(tmp_path / "server-artifacts"),
+    ]  # fmt: skip
+
+    @contextmanager
+    def running() -> Iterator[str]:
+        with mlflow_server(argv, port, tmp_path) as url:
+            yield url
+
+    running.url = f"http://127.0.0.1:{port}"
+    return running
+
+
+def slow_job_env() -> dict[str, str]:
+    # Each step takes 0.2 s longer (tests/signal_at_step), and MLflow gives up on a request
+    # after seconds instead of minutes: an outage of 15 s outlasts its retries.
+    return {
+        "PYTHONPATH": f"{INSTRUMENT}{os.pathsep}{PROJECT}",
+        "SLEEP_PER_STEP": "0.2",
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+    }
+
+
+def wait_for(condition, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def epochs_queued(run_dir: Path) -> int:
+    path = run_dir / OUTBOX_FILE
+    lines = path.read_text().splitlines() if path.exists() else []
+    return sum('"train/loss"' in line for line in lines)
+
+
+def assert_complete_run(client: MlflowClient, run_id: str, epochs: int, status: str) -> None:
+    run = client.get_run(run_id)
+    assert run.info.status == status
+    for key in ("train/loss", "val/acc"):
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert sorted(steps) == list(range(epochs)), f"{key}: {steps}"
+
+
+def sync(run_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "src.sync", str(run_dir)], cwd=run_dir.parent,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_outage_mid_training_delays_records_not_training(server, job_factory) -> None:
+    with server() as url:
+        job = job_factory(f"trainer.max_epochs={OUTAGE_EPOCHS}", f"logger.tracking_uri={url}",
+                          env=slow_job_env())  # fmt: skip
+        wait_for(lambda: epochs_queued(job.run_dir) >= 1, "the first epoch")
+    # The server is gone: training goes on, and its records wait in the outbox.
+    outage_start, queued = time.time(), epochs_queued(job.run_dir)
+    wait_for(lambda: job.last.exists() and job.last.stat().st_mtime > outage_start + 1, "a step")
+    time.sleep(max(0.0, outage_start + 15 - time.time()))
+    assert job.proc.poll() is None, "the job still trains when the server comes back"
+    assert epochs_queued(job.run_dir) > queued, "epochs went on during the outage"
+    with server() as url:
+        job.wait(timeout=300)
+        assert job.proc.returncode == 0, job.stderr[-3000:]
+        assert "src.sync" not in job.stderr, "everything was sent before the job ended"
+        client = MlflowClient(url)
+        run_id = (job.run_dir / "mlflow_run_id.txt").read_text().strip()
+        assert_complete_run(client, run_id, OUTAGE_EPOCHS, "FINISHED")
+        artifacts = {a.path for a in client.list_artifacts(run_id)}
+        assert {"config.yaml", "metrics.json", "checkpoints", "figures"} <= artifacts
+        assert len(client.get_run(run_id).inputs.dataset_inputs) == 3
+
+
+@pytest.mark.slow
+def test_a_server_away_at_the_end_leaves_its_records_to_src_sync(server, job_factory) -> None:
+    with server():
+        job = job_factory("trainer.max_epochs=2", f"logger.tracking_uri={server.url}",
+                          "logger.send_timeout_s=3", env=slow_job_env())  # fmt: skip
+        wait_for(lambda: (job.run_dir / "mlflow_run_id.txt").exists(), "the run")
+    job.wait(timeout=300)
+    assert job.proc.returncode == 0, job.stderr[-3000:]
+    (line,) = [line for line in job.stderr.splitlines() if "python -m src.sync" in line]
+    assert line.endswith(f"python -m src.sync {job.run_dir}"), line
+    assert (job.run_dir / "metrics.json").exists() and job.last.exists()
+
+    refused = sync(job.run_dir)  # still away: says so, keeps everything
+    assert refused.returncode == 1 and "Run this again when it answers" in refused.stderr
+    with server() as url:
+        done = sync(job.run_dir)
+        assert done.returncode == 0, done.stderr
+        run_id = (job.run_dir / "mlflow_run_id.txt").read_text().strip()
+        assert done.stdout.strip().endswith(f"run {run_id} is FINISHED")
+        client = MlflowClient(url)
+        assert_complete_run(client, run_id, 2, "FINISHED")
+        before = client.get_run(run_id).to_dictionary()
+        again = sync(job.run_dir)
+        assert again.returncode == 0 and "sent 0 record(s)" in again.stdout
+        assert client.get_run(run_id).to_dictionary() == before, "a second sync changes nothing"
+
+
+@pytest.mark.slow
+def test_a_job_killed_during_an_outage_loses_nothing_it_logged(server, job_factory) -> None:
+    with server():
+        job = job_factory(f"trainer.max_epochs={EPOCHS}", f"logger.tracking_uri={server.url}",
+                          env=slow_job_env())  # fmt: skip
+        wait_for(lambda: (job.run_dir / "mlflow_run_id.txt").exists(), "the run")
+    wait_for(lambda: epochs_queued(job.run_dir) >= 2, "two epochs")
+    busy = sync(job.run_dir)
+    assert busy.returncode == 1 and "is being sent by a running job" in busy.stderr
+    os.killpg(job.proc.pid, signal.SIGKILL)
+    job.proc.wait()
+    logged = epochs_queued(job.run_dir)
+    with server() as url:
+        done = sync(job.run_dir)
+        assert done.returncode == 0, done.stderr
+        run_id = (job.run_dir / "mlflow_run_id.txt").read_text().strip()
+        client = MlflowClient(url)
+        run = client.get_run(run_id)
+        assert run.info.status == "FAILED", "the job died before it ended its run"
+        steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
+        assert steps == list(range(logged)), "every epoch it had logged, once"
+        records = (job.run_dir / OUTBOX_FILE).read_text().splitlines()
+        assert json.loads(records[-1])["status"] == "FAILED"
