@@ -2,8 +2,9 @@
 
 A job whose server was away at its end keeps the records in ``OUTPUT_DIR/mlflow_outbox.jsonl``
 (see src/template/outbox.py) and says so. This sends them, in order, and sets the run's final
-status (FAILED for a job that died before it set one). Run it any time, from any machine that
-sees the folder and the server; run again, it changes nothing.
+status (FAILED for a job that died before it set one). A ``logger.offline=true`` job's run is
+created here. Run it any time, from any machine that sees the folder and the server; run again,
+it changes nothing.
 """
 
 import argparse
@@ -13,6 +14,7 @@ from pathlib import Path
 from unittest import mock
 
 from src.template.outbox import Outbox, OutboxBusy, encode
+from src.template.tracking import RUN_ID_FILE
 
 # Fail within seconds when the server is still away, rather than after MLflow's minutes of retries.
 QUICK = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
@@ -25,11 +27,11 @@ def sync(folder: Path, tracking_uri: str | None = None) -> str:
     outbox = Outbox(folder)
     try:
         uri = tracking_uri or outbox.tracking_uri
-        run_id = outbox.run_id
-        if run_id is None:
+        if len(outbox.records) == 1:
             return f"nothing to send: {outbox.path} holds no record"
         if not outbox.ended:  # the job died before it could end its run
-            outbox.append(encode("set_terminated", run_id, status="FAILED"))
+            recorded = outbox.records[1]["run_id"]  # an offline job's placeholder, mapped later
+            outbox.append(encode("set_terminated", recorded, status="FAILED"))
         client, count = MlflowClient(uri), outbox.pending
         with mock.patch.dict(os.environ, QUICK):
             while outbox.pending:
@@ -41,7 +43,11 @@ def sync(folder: Path, tracking_uri: str | None = None) -> str:
                         f"MLflow server {uri} did not take a record ({reason}); "
                         f"{outbox.pending} still pending. Run this again when it answers"
                     ) from error
+            run_id = outbox.run_id
             status = client.get_run(run_id).info.status
+        run_file = folder / RUN_ID_FILE
+        if run_file.is_file() and run_file.read_text().strip() != run_id:  # an offline job's
+            run_file.write_text(run_id + "\n")
     finally:
         outbox.close()
     return f"sent {count} record(s) to {uri}: run {run_id} is {status}"

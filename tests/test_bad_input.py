@@ -99,6 +99,7 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         ),
         (["ckpt_path=missing.ckpt"], "ckpt_path=missing.ckpt: no such file"),
         (["logger.run_id=abc123"], "logger.run_id=abc123 is not a run of sqlite:///"),
+        (["logger.offline=true"], "logger.offline=true is for an MLflow server"),
     ],
     ids=[
         "unknown-key",
@@ -129,6 +130,7 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         "val-size",
         "missing-ckpt",
         "unknown-run-id",
+        "offline-sqlite",
     ],
 )
 def test_bad_setting(overrides: list[str], message: str, tiny_root: Path, tmp_path: Path) -> None:

@@ -217,3 +217,33 @@ def test_a_job_killed_during_an_outage_loses_nothing_it_logged(server, job_facto
         assert steps == list(range(logged)), "every epoch it had logged, once"
         records = (job.run_dir / OUTBOX_FILE).read_text().splitlines()
         assert json.loads(records[-1])["status"] == "FAILED"
+
+
+@pytest.mark.slow
+def test_an_offline_job_leaves_its_whole_run_to_src_sync(server, job_factory) -> None:
+    """logger.offline=true: no server at all while the job runs (none is listening); src.sync
+    creates the run later, once, even when it has to send everything again."""
+    job = job_factory("logger.offline=true", f"logger.tracking_uri={server.url}")
+    job.wait(timeout=300)
+    assert job.proc.returncode == 0, job.stderr[-3000:]
+    assert f"wait in {job.run_dir}" in job.stderr and f"src.sync {job.run_dir}" in job.stderr
+    placeholder = (job.run_dir / "mlflow_run_id.txt").read_text().strip()
+    assert placeholder.startswith("offline-")
+    with server() as url:
+        done = sync(job.run_dir)
+        assert done.returncode == 0, done.stderr
+        run_id = (job.run_dir / "mlflow_run_id.txt").read_text().strip()
+        assert run_id != placeholder and done.stdout.strip().endswith(f"run {run_id} is FINISHED")
+        client = MlflowClient(url)
+        assert_complete_run(client, run_id, 2, "FINISHED")
+        run = client.get_run(run_id)
+        assert run.info.run_name == "train-mnist" and run.data.params["model.lr"] == "0.01"
+        assert {a.path for a in client.list_artifacts(run_id)} >= {"config.yaml", "checkpoints"}
+        # Everything sent again, as after a crash right after the run was made: still one run,
+        # each metric once.
+        (job.run_dir / "mlflow_outbox.runs.json").unlink()
+        (job.run_dir / "mlflow_outbox.sent").write_text("1")
+        assert sync(job.run_dir).returncode == 0
+        (again,) = client.search_runs([run.info.experiment_id])
+        assert again.info.run_id == run_id
+        assert_complete_run(client, run_id, 2, "FINISHED")

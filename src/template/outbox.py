@@ -8,6 +8,10 @@ training step. Records keep the time they were made, and MLflow stores a metric 
 once, so a record sent twice (the server took it, its answer was lost) is not duplicated.
 What a job could not send by its end, ``python -m src.sync OUTPUT_DIR`` sends later.
 
+``logger.offline=true`` (machines that cannot reach the server): the job never contacts it;
+its run is a ``create_run`` record under a placeholder id, and ``src.sync`` creates the run
+(once: it looks for the placeholder's tag first) and sends everything under the real id.
+
 SQLite stores are written directly: a local file has no outages.
 """
 
@@ -25,6 +29,8 @@ log = logging.getLogger(__name__)
 
 OUTBOX_FILE = "mlflow_outbox.jsonl"  # one JSON record per line, the first one a header
 SENT_FILE = "mlflow_outbox.sent"  # how many records the server has taken
+RUNS_FILE = "mlflow_outbox.runs.json"  # offline jobs: placeholder run id -> the real one
+PLACEHOLDER_TAG = "outbox.placeholder"  # on a run src.sync created for an offline job
 WRITES = ("log_batch", "set_tag", "update_run", "set_terminated", "log_artifact", "log_inputs")
 
 
@@ -53,6 +59,12 @@ def encode(method: str, run_id: str, **kwargs: Any) -> dict[str, Any]:
     elif method == "log_artifact":
         record["local_path"] = str(Path(kwargs["local_path"]).resolve())
         record["artifact_path"] = kwargs.get("artifact_path")
+    elif method == "create_run":
+        record["experiment_name"], record["run_name"] = (
+            kwargs["experiment_name"],
+            kwargs["run_name"],
+        )
+        record["tags"], record["start_time"] = kwargs["tags"], int(time.time() * 1000)
     elif method == "log_inputs":
         record["datasets"] = [
             base64.b64encode(d.to_proto().SerializeToString()).decode()
@@ -61,6 +73,28 @@ def encode(method: str, run_id: str, **kwargs: Any) -> dict[str, Any]:
     else:
         raise ValueError(f"the outbox does not carry {method}")
     return record
+
+
+def create_run(client: Any, record: dict[str, Any]) -> str:
+    """The run an offline job's ``create_run`` record stands for: found by its placeholder tag
+    if an earlier sync made it, else made now. Its id."""
+    experiment = client.get_experiment_by_name(record["experiment_name"])
+    experiment_id = (
+        experiment.experiment_id
+        if experiment is not None
+        else client.create_experiment(record["experiment_name"])
+    )
+    placeholder = record["run_id"]
+    found = client.search_runs(
+        [experiment_id], f"tags.`{PLACEHOLDER_TAG}` = '{placeholder}'", max_results=1
+    )
+    if found:
+        return found[0].info.run_id
+    tags = {**record["tags"], PLACEHOLDER_TAG: placeholder}
+    run = client.create_run(
+        experiment_id, start_time=record["start_time"], tags=tags, run_name=record["run_name"]
+    )
+    return run.info.run_id
 
 
 def send(client: Any, record: dict[str, Any]) -> None:
@@ -128,6 +162,10 @@ class Outbox:
             self._write({"tracking_uri": tracking_uri})
         self.tracking_uri: str = self.records[0]["tracking_uri"]
         self.sent = int(self.sent_path.read_text()) if self.sent_path.is_file() else 1
+        self.runs_path = folder / RUNS_FILE
+        self.runs: dict[str, str] = (
+            json.loads(self.runs_path.read_text()) if self.runs_path.is_file() else {}
+        )
         self.changed = threading.Condition()
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -147,7 +185,11 @@ class Outbox:
 
     @property
     def run_id(self) -> str | None:
-        return next((r["run_id"] for r in self.records[1:]), None)
+        """The run's id on the server (None for an offline job's run not created yet)."""
+        first = next((r["run_id"] for r in self.records[1:]), None)
+        if self.records[1:] and self.records[1]["method"] == "create_run":
+            return self.runs.get(first)
+        return first
 
     @property
     def ended(self) -> bool:
@@ -159,7 +201,15 @@ class Outbox:
         """Send the oldest unsent record; raises what the client raised if it was not taken."""
         record = self.records[self.sent]
         try:
-            send(client, record)
+            if record["method"] == "create_run":
+                self.runs[record["run_id"]] = create_run(client, record)
+                temporary = self.runs_path.with_suffix(".tmp")
+                temporary.write_text(json.dumps(self.runs))
+                temporary.replace(self.runs_path)
+            else:
+                send(
+                    client, {**record, "run_id": self.runs.get(record["run_id"], record["run_id"])}
+                )
         except Exception as error:
             if not refused(error):
                 raise

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import uuid
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.template.checkpoint import epoch_finished
 from src.template.distributed import SWEEP_JOB_ENV, launch_rank, requested_processes
-from src.template.outbox import Outbox, OutboxClient, Sender
+from src.template.outbox import Outbox, OutboxClient, Sender, encode
 
 SQLITE_PREFIX = "sqlite:///"
 MASK = "***"
@@ -59,17 +60,21 @@ class EpochMLFlowLogger(MLFlowLogger):
         self.continued = kwargs.get("run_id") is not None
         self._last_step: dict[str, int] = {}  # a continued run's last step per metric
         self.cut_epoch: int | None = None
-        self.sender: Sender | None = None  # set by send_through_outbox
+        self.outbox: Outbox | None = None  # with a server: set by send_through_outbox
+        self.sender: Sender | None = None
+        self.offline = False  # logger.offline: the outbox is all there is (see go_offline)
 
     @property
     def experiment(self) -> Any:
         """The client, once the run is open; with an outbox, one whose writes are queued."""
+        if self.offline:
+            return OutboxClient(None, self.outbox)
         client = super().experiment
-        return OutboxClient(client, self.sender.outbox) if self.sender else client
+        return OutboxClient(client, self.outbox) if self.outbox else client
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:
-        if self.sender is None:
+        if self.outbox is None:
             return super().finalize(status)
         # Lightning's finalize asks the server whether the run exists first: it may be away.
         status = {"success": "FINISHED", "failed": "FAILED", "finished": "FINISHED"}.get(status)
@@ -108,18 +113,25 @@ def build_loggers(
     if kind == "mlflow":
         if not talks_to_store(cfg):
             return []
-        uri = cfg.logger.tracking_uri
-        prepare_store(uri, cfg.logger.experiment_name)
-        return [
-            EpochMLFlowLogger(
-                experiment_name=cfg.logger.experiment_name,
-                run_name=cfg.logger.run_name,
-                tracking_uri=uri,
-                artifact_location=artifact_location(uri),
-                tags={**run_tags(cfg), **(extra_tags or {})},
-                run_id=continue_run,
+        uri, offline = cfg.logger.tracking_uri, bool(cfg.logger.get("offline"))
+        if offline and sqlite_file(uri):
+            raise TrackingError(
+                "logger.offline=true is for an MLflow server (logger.tracking_uri=http://...); "
+                "a SQLite store is written directly"
             )
-        ]
+        if not offline:
+            prepare_store(uri, cfg.logger.experiment_name)
+        logger = EpochMLFlowLogger(
+            experiment_name=cfg.logger.experiment_name,
+            run_name=cfg.logger.run_name,
+            tracking_uri=uri,
+            artifact_location=artifact_location(uri),
+            tags={**run_tags(cfg), **(extra_tags or {})},
+            run_id=f"offline-{uuid.uuid4().hex}" if offline else continue_run,
+        )
+        if offline:
+            go_offline(logger, cfg)
+        return [logger]
     raise ValueError(f"logger.kind={kind!r} is not one of mlflow, csv, none")
 
 
@@ -297,6 +309,8 @@ def run_to_continue(saved: Mapping[str, Any] | None, cfg: DictConfig) -> str | N
     """The MLflow run a job continues: ``logger.run_id`` if set; for a resumed job, the one its
     checkpoint was written by, if that run is in this job's store and ``logger.continue_run``
     is true; else a new run."""
+    if cfg.logger.kind == "mlflow" and cfg.logger.get("offline"):
+        return None  # a placeholder's run does not exist on the server yet: a new one
     if cfg.logger.kind == "mlflow" and cfg.logger.get("run_id"):
         return named_run(cfg)
     if not saved or cfg.logger.kind != "mlflow" or not cfg.logger.get("continue_run", True):
@@ -349,8 +363,9 @@ def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> No
             logger.log_hyperparams(params)
         if isinstance(logger, MLFlowLogger):
             Path(cfg.paths.output_dir, RUN_ID_FILE).write_text(logger.run_id + "\n")
-        if isinstance(logger, EpochMLFlowLogger) and not sqlite_file(cfg.logger.tracking_uri):
-            send_through_outbox(logger, Path(cfg.paths.output_dir), cfg.logger.tracking_uri)
+        uri = cfg.logger.tracking_uri
+        if isinstance(logger, EpochMLFlowLogger) and not logger.outbox and not sqlite_file(uri):
+            send_through_outbox(logger, Path(cfg.paths.output_dir), uri)
 
 
 def send_through_outbox(logger: EpochMLFlowLogger, folder: Path, tracking_uri: str) -> None:
@@ -358,7 +373,22 @@ def send_through_outbox(logger: EpochMLFlowLogger, folder: Path, tracking_uri: s
     by a background thread: the job never waits for the server."""
     outbox = Outbox(folder, without_password(tracking_uri))
     logger.sender = Sender(outbox, logger.experiment)
+    logger.outbox = outbox
     logger.sender.start()
+
+
+def go_offline(logger: EpochMLFlowLogger, cfg: DictConfig) -> None:
+    """``logger.offline``: the run itself is a record, under the logger's placeholder id, for
+    ``src.sync`` to create on the server later; nothing here contacts it."""
+    from mlflow.tracking.context.registry import resolve_tags
+
+    logger.offline, logger.continued = True, False
+    logger.outbox = Outbox(Path(cfg.paths.output_dir), without_password(cfg.logger.tracking_uri))
+    tags = resolve_tags({k: str(v) for k, v in (logger.tags or {}).items()})
+    logger.outbox.append(
+        encode("create_run", logger.run_id, experiment_name=cfg.logger.experiment_name,
+               run_name=cfg.logger.run_name, tags=tags)
+    )  # fmt: skip
 
 
 @contextmanager
@@ -369,19 +399,26 @@ def sending(loggers: list[Logger], timeout_s: float) -> Iterator[None]:
         yield
     finally:
         logger = mlflow_logger(loggers)
-        sender = getattr(logger, "sender", None)
-        if sender is not None:
-            pending = sender.drain(timeout_s)
-            sender.stopping.set()
-            sender.outbox.close()
-            if pending:
-                folder = sender.outbox.path.parent
+        outbox, sender = getattr(logger, "outbox", None), getattr(logger, "sender", None)
+        if outbox is not None:
+            pending = sender.drain(timeout_s) if sender else outbox.pending
+            if sender:
+                sender.stopping.set()
+            outbox.close()
+            folder = outbox.path.parent
+            if pending and logger.offline:
+                say = f"logger.offline=true: {pending} MLflow record(s) wait in {folder}"
+            elif pending:
                 reason = str(sender.last_error or "").strip().splitlines()[:1]
+                say = (
+                    f"MLflow server {outbox.tracking_uri} did not take {pending} record(s) of "
+                    f"run {logger.run_id} ({reason[0][:120] if reason else 'no answer yet'}); "
+                    f"they are kept in {folder}"
+                )
+            if pending:
                 print(
-                    f"MLflow server {sender.outbox.tracking_uri} did not take "
-                    f"{pending} record(s) of run {logger.run_id} "
-                    f"({reason[0][:120] if reason else 'no answer yet'}); they are kept in "
-                    f"{folder}. Send them when it is back: python -m src.sync {folder}",
+                    f"{say}. Send them from a machine that reaches {outbox.tracking_uri}: "
+                    f"python -m src.sync {folder}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -505,7 +542,7 @@ def callbacks(loggers: list[Logger], cfg: DictConfig) -> list[Callback]:
     found: list[Callback] = []
     if logger is not None:
         found += [RecordRunInCheckpoint(logger, cfg.logger.tracking_uri), SkipCutEpoch(logger)]
-    if cfg.logger.kind == "mlflow" and cfg.logger.get("system_metrics_s"):
+    if cfg.logger.kind == "mlflow" and cfg.logger.system_metrics_s and not cfg.logger.offline:
         found.append(SystemMetrics(logger, cfg.logger.tracking_uri, cfg.logger.system_metrics_s))
     return found
 
