@@ -165,6 +165,15 @@ def trained(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"workdir": workdir, "run_dir": run_dir, "log": log, "tiny_root": tiny_root}
 
 
+def local_server_argv(port: int, folder: Path) -> list[str]:
+    """``mlflow server`` on 127.0.0.1:``port`` with its store and artifacts in ``folder``."""
+    return [
+        "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
+        "--artifacts-destination", str(folder / "server-artifacts"),
+    ]  # fmt: skip
+
+
 @contextmanager
 def mlflow_server(argv: Sequence[str], port: int, cwd: Path) -> Iterator[str]:
     """Run an ``mlflow server ...`` command until it answers ``/health``; yield its URL, then

@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 
 from src.template.outbox import OUTBOX_FILE, Outbox, OutboxBusy, OutboxClient, Sender, encode
-from tests.conftest import PROJECT, mlflow_server
+from tests.conftest import PROJECT, local_server_argv, mlflow_server
 
 INSTRUMENT = PROJECT / "tests" / "signal_at_step"
 EPOCHS = 5
@@ -87,11 +87,7 @@ def server(tmp_path: Path) -> Iterator:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [
-        "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-        "--artifacts-destination", str(tmp_path / "server-artifacts"),
-    ]  # fmt: skip
+    argv = local_server_argv(port, tmp_path)
 
     @contextmanager
     def running() -> Iterator[str]:

@@ -22,7 +22,14 @@ from src.template.tracking import (
     run_to_continue,
     without_password,
 )
-from tests.conftest import PROJECT, mlflow_server, read_metrics, run_entry, tiny_overrides
+from tests.conftest import (
+    PROJECT,
+    local_server_argv,
+    mlflow_server,
+    read_metrics,
+    run_entry,
+    tiny_overrides,
+)
 from tests.test_config import compose_config
 
 
@@ -115,11 +122,7 @@ def server_url(tmp_path: Path) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [
-        "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-        "--artifacts-destination", str(tmp_path / "server-artifacts"),
-    ]  # fmt: skip
+    argv = local_server_argv(port, tmp_path)
     with mlflow_server(argv, port, tmp_path) as url:
         yield url
 

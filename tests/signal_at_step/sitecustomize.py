@@ -13,10 +13,8 @@ but not started training.
 while a job is still training (stop a server, look at its progress).
 """
 
-import importlib.abc
 import os
 import signal
-import sys
 import time
 
 TARGET = "src.task.model"
@@ -62,23 +60,7 @@ def signal_at_step(module, step: str, name: str) -> None:
     module.ImageClassifier.training_step = training_step
 
 
-class PatchAfterImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
-
-
 if any(os.environ.get(name) for name in ("SIGNAL_AT_STEP", "PAUSE_IN_SETUP", "SLEEP_PER_STEP")):
-    import importlib.util
+    from tests.patch_after_import import patch_after_import  # the project is on PYTHONPATH too
 
-    sys.meta_path.insert(0, PatchAfterImport())
+    patch_after_import(TARGET, patch)
