@@ -363,14 +363,16 @@ def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> No
             logger.log_hyperparams(params)
         if isinstance(logger, MLFlowLogger):
             Path(cfg.paths.output_dir, RUN_ID_FILE).write_text(logger.run_id + "\n")
-        uri = cfg.logger.tracking_uri
-        if isinstance(logger, EpochMLFlowLogger) and not logger.outbox and not sqlite_file(uri):
-            send_through_outbox(logger, Path(cfg.paths.output_dir), uri)
+        if isinstance(logger, EpochMLFlowLogger) and logger.outbox is None:
+            send_through_outbox(logger, Path(cfg.paths.output_dir), cfg.logger.tracking_uri)
 
 
 def send_through_outbox(logger: EpochMLFlowLogger, folder: Path, tracking_uri: str) -> None:
     """From now on the run's records go through a durable outbox (src/template/outbox.py), sent
-    by a background thread: the job never waits for the server."""
+    by a background thread: the job never waits for the server. A SQLite store (a local file,
+    no outages) is written directly."""
+    if sqlite_file(tracking_uri):
+        return
     outbox = Outbox(folder, without_password(tracking_uri))
     logger.sender = Sender(outbox, logger.experiment)
     logger.outbox = outbox
