@@ -13,11 +13,8 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-from src.template.outbox import Outbox, OutboxBusy, encode
+from src.template.outbox import FAIL_FAST, Outbox, OutboxBusy, encode
 from src.template.tracking import RUN_ID_FILE
-
-# Fail within seconds when the server is still away, rather than after MLflow's minutes of retries.
-QUICK = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 
 
 def sync(folder: Path, tracking_uri: str | None = None) -> str:
@@ -33,7 +30,7 @@ def sync(folder: Path, tracking_uri: str | None = None) -> str:
             recorded = outbox.records[1]["run_id"]  # an offline job's placeholder, mapped later
             outbox.append(encode("set_terminated", recorded, status="FAILED"))
         client, count = MlflowClient(uri), outbox.pending
-        with mock.patch.dict(os.environ, QUICK):
+        with mock.patch.dict(os.environ, FAIL_FAST):
             while outbox.pending:
                 try:
                     outbox.send_next(client)

@@ -4,6 +4,7 @@ The jobs below run against a real ``mlflow server`` that the test stops (its who
 group) and starts again on the same port and store, as an outage would.
 """
 
+import hashlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
@@ -243,3 +245,66 @@ def test_an_offline_job_leaves_its_whole_run_to_src_sync(server, job_factory) ->
         (again,) = client.search_runs([run.info.experiment_id])
         assert again.info.run_id == run_id
         assert_complete_run(client, run_id, 2, "FINISHED")
+
+
+def md5(path: Path) -> str:
+    digest = hashlib.md5()
+    with path.open("rb") as f:
+        while chunk := f.read(2**24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def kill_listener(url: str) -> None:
+    """SIGKILL the process group of whatever listens on ``url``'s port: a server that dies."""
+    port = int(url.rsplit(":", 1)[1])
+    (pid,) = {
+        c.pid
+        for c in psutil.net_connections("tcp")
+        if c.laddr.port == port and c.status == "LISTEN"
+    }
+    os.killpg(os.getpgid(pid), signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_large_upload_cut_by_an_outage_leaves_no_half_artifact(
+    server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint of hundreds of MB, the server killed while it arrives: nothing half-stored
+    is listed, the upload stays pending, and src.sync sends it whole."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the sender notices at once
+    job = tmp_path / "job"
+    job.mkdir()
+    checkpoint, block = job / "best.ckpt", os.urandom(2**20)
+    with checkpoint.open("wb") as f:
+        for i in range(300):  # 300 MiB, no two MiB alike
+            f.write(i.to_bytes(4) + block[4:])
+    stored = tmp_path / "server-artifacts"
+    with server() as url:
+        client = MlflowClient(url)
+        run_id = client.create_run(client.create_experiment("large")).info.run_id
+        outbox = Outbox(job, url)
+        sender = Sender(outbox, client)
+        sender.start()
+        outbox.append(encode("log_artifact", run_id, local_path=checkpoint, artifact_path="ckpt"))
+        outbox.append(encode("set_terminated", run_id, status="FINISHED"))
+        # The server writes an upload to a hidden staging file, renamed when complete.
+        staging = lambda: [p.stat().st_size for p in stored.rglob(".artifact.uploading.*")]  # noqa: E731
+        wait_for(lambda: any(staging()), "the upload to begin", timeout=60)
+        kill_listener(url)
+        assert 0 < max(staging()) < checkpoint.stat().st_size, "killed mid-upload"
+        wait_for(lambda: sender.last_error is not None, "the sender to see the outage")
+        sender.stopping.set()
+        sender.join()
+        assert outbox.pending == 2, "the cut upload is pending like any other record"
+        outbox.close()
+    with server() as url:
+        client = MlflowClient(url)
+        assert client.list_artifacts(run_id, "ckpt") == [], "no half artifact is listed"
+        done = sync(job)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().endswith(f"run {run_id} is FINISHED")
+        (artifact,) = client.list_artifacts(run_id, "ckpt")
+        assert artifact.file_size == checkpoint.stat().st_size
+        (copy,) = stored.rglob("best.ckpt")
+        assert md5(copy) == md5(checkpoint), "the whole file, as sent"

@@ -103,6 +103,24 @@ def test_logger_kinds(kind: str, tmp_path: Path) -> None:
     assert all(isinstance(logger, cls) for logger, cls in zip(loggers, expected, strict=True))
 
 
+def test_an_offline_logger_opens_no_connection(tmp_path: Path) -> None:
+    """logger.offline rests on Lightning's MLFlowLogger keeping the ``run_id`` it is given and
+    asking its ``experiment`` (overridden here) for everything: if an upgrade changes either,
+    this fails instead of an offline job hanging on a server it cannot reach."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    url = f"http://127.0.0.1:{port}"
+    cfg = compose_config("train", ["logger.offline=true", f"logger.tracking_uri={url}"], tmp_path)
+    (logger,) = build_loggers(cfg)
+    assert logger.run_id.startswith("offline-"), "the placeholder the outbox records carry"
+    logger.log_metrics({"train/loss": 0.5, "epoch": 0})
+    logger.finalize("success")
+    logger.outbox.close()
+    methods = [r["method"] for r in logger.outbox.records[1:]]
+    assert methods == ["create_run", "log_batch", "set_terminated"]
+
+
 def test_unreachable_server_is_a_clear_error_at_once(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

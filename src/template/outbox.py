@@ -31,7 +31,19 @@ OUTBOX_FILE = "mlflow_outbox.jsonl"  # one JSON record per line, the first one a
 SENT_FILE = "mlflow_outbox.sent"  # how many records the server has taken
 RUNS_FILE = "mlflow_outbox.runs.json"  # offline jobs: placeholder run id -> the real one
 PLACEHOLDER_TAG = "outbox.placeholder"  # on a run src.sync created for an offline job
-WRITES = ("log_batch", "set_tag", "update_run", "set_terminated", "log_artifact", "log_inputs")
+# The client calls the outbox carries, with the names of their arguments after the run id.
+WRITES: dict[str, tuple[str, ...]] = {
+    "log_batch": ("metrics", "params", "tags"),
+    "set_tag": ("key", "value"),
+    "update_run": ("status", "name"),
+    "set_terminated": ("status", "end_time"),
+    "log_artifact": ("local_path", "artifact_path"),
+    "log_inputs": ("datasets", "models"),
+}
+# For a caller that must know within seconds whether the server answers (the job's start-up
+# check, src.sync), instead of after MLflow's minutes of retries: one retry, 30 s per request
+# (an upload of a large checkpoint is one request).
+FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 
 
 class OutboxBusy(RuntimeError):
@@ -269,17 +281,8 @@ class OutboxClient:
             return getattr(self._client, name)
 
         def queued(run_id: str, *args: Any, **kwargs: Any) -> None:
-            names = {
-                "set_tag": ("key", "value"),
-                "update_run": ("status", "name"),
-                "set_terminated": ("status", "end_time"),
-                "log_artifact": ("local_path", "artifact_path"),
-                "log_inputs": ("datasets", "models"),
-                "log_batch": ("metrics", "params", "tags"),
-            }[name]
             kwargs.pop("synchronous", None)  # queued calls return at once anyway
-            self._outbox.append(
-                encode(name, run_id, **dict(zip(names, args, strict=False)), **kwargs)
-            )
+            named = dict(zip(WRITES[name], args, strict=False))
+            self._outbox.append(encode(name, run_id, **named, **kwargs))
 
         return queued

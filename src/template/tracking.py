@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.template.checkpoint import epoch_finished
 from src.template.distributed import SWEEP_JOB_ENV, launch_rank, requested_processes
-from src.template.outbox import Outbox, OutboxClient, Sender, encode
+from src.template.outbox import FAIL_FAST, Outbox, OutboxClient, Sender, encode
 
 SQLITE_PREFIX = "sqlite:///"
 MASK = "***"
@@ -179,9 +179,8 @@ def prepare_store(tracking_uri: str, experiment_name: str) -> None:
             ) from error
         return
     # A remote server: fail now, in seconds, rather than retrying for minutes mid-training.
-    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
     try:
-        with mock.patch.dict(os.environ, quick):  # only for this check
+        with mock.patch.dict(os.environ, FAIL_FAST):  # only for this check
             ensure_experiment(MlflowClient(tracking_uri), experiment_name, tracking_uri)
     except Exception as error:
         reason = str(error).splitlines()[0][:200]
