@@ -64,6 +64,8 @@ def train(cfg: DictConfig) -> float | None:
         test_set, classes = datamodule.test_set, datamodule.classes
         figures = reporting.save_test_figures(model, test_set, classes, out / "figures")
         tracking.log_outcome(loggers, datamodule, out, best, figures)
+        # The test metrics' step (the epoch count): MLflow links them to the model.
+        tracking.log_model(loggers, cfg.logger, model.net, datamodule, out, trainer.current_epoch)
     return metrics.get(cfg.optimized_metric)
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
 from mlflow import MlflowClient
 
@@ -16,6 +17,7 @@ from src.template.tracking import (
     artifact_location,
     build_loggers,
     flatten,
+    log_model,
     mask_override,
     mask_secrets,
     prepare_store,
@@ -31,6 +33,7 @@ from tests.conftest import (
     tiny_overrides,
 )
 from tests.test_config import compose_config
+from tests.test_data import make_module
 
 
 def test_flatten_uses_override_style_keys() -> None:
@@ -119,6 +122,28 @@ def test_an_offline_logger_opens_no_connection(tmp_path: Path) -> None:
     logger.outbox.close()
     methods = [r["method"] for r in logger.outbox.records[1:]]
     assert methods == ["create_run", "log_batch", "set_terminated"]
+
+
+class DataDependent(torch.nn.Module):
+    """A network torch.export cannot trace: its control flow depends on the pixels."""
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        logits = images.flatten(1)[:, :10]
+        return logits if images.sum() > 0 else -logits
+
+
+def test_a_network_that_cannot_be_exported_costs_a_warning_not_the_job(
+    tiny_root: Path, tmp_path: Path
+) -> None:
+    cfg = compose_config("train", [f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"], tmp_path)
+    loggers = build_loggers(cfg)
+    datamodule = make_module(tiny_root)
+    datamodule.prepare_data()
+    datamodule.load("test")
+    out = Path(cfg.paths.output_dir)
+    with pytest.warns(UserWarning, match="not logged as an MLflow model: exporting it failed"):
+        log_model(loggers, cfg.logger, DataDependent(), datamodule, out, step=1)
+    assert list(out.iterdir()) == [], "no model folder, no staging folder left"
 
 
 def test_unreachable_server_is_a_clear_error_at_once(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ WRITES: dict[str, tuple[str, ...]] = {
     "set_terminated": ("status", "end_time"),
     "log_artifact": ("local_path", "artifact_path"),
     "log_inputs": ("datasets", "models"),
+    "log_model": ("folder", "step", "key", "registered_name"),  # see src/template/serving.py
 }
 # For a caller that must know within seconds whether the server answers (the job's start-up
 # check, src.sync), instead of after MLflow's minutes of retries: one retry, 30 s per request
@@ -71,6 +72,10 @@ def encode(method: str, run_id: str, **kwargs: Any) -> dict[str, Any]:
     elif method == "log_artifact":
         record["local_path"] = str(Path(kwargs["local_path"]).resolve())
         record["artifact_path"] = kwargs.get("artifact_path")
+    elif method == "log_model":
+        record["folder"] = str(Path(kwargs["folder"]).resolve())
+        record["step"], record["key"] = kwargs["step"], kwargs["key"]
+        record["registered_name"] = kwargs.get("registered_name")
     elif method == "create_run":
         record["experiment_name"], record["run_name"] = (
             kwargs["experiment_name"],
@@ -130,6 +135,11 @@ def send(client: Any, record: dict[str, Any]) -> None:
         client.set_terminated(run_id, record["status"], end_time=record["end_time"])
     elif method == "log_artifact":
         client.log_artifact(run_id, record["local_path"], record["artifact_path"])
+    elif method == "log_model":
+        from src.template.serving import log_model
+
+        log_model(client.tracking_uri, run_id, Path(record["folder"]), record["step"],
+                  record["key"], record["registered_name"])  # fmt: skip
     elif method == "log_inputs":
         protos = [DatasetInputProto.FromString(base64.b64decode(d)) for d in record["datasets"]]
         client.log_inputs(run_id, datasets=[DatasetInput.from_proto(p) for p in protos])

@@ -493,6 +493,45 @@ def log_outcome(
         logger.experiment.log_artifact(logger.run_id, str(path), artifact_path=folder or None)
 
 
+@rank_zero_only
+def log_model(
+    loggers: list[Logger], settings: DictConfig, net: Any, datamodule: Any, output_dir: Path,
+    step: int,
+) -> None:  # fmt: skip
+    """The trained network as the run's MLflow LoggedModel, at the step of its test metrics
+    (MLflow links those to it), registered as ``logger.registered_model_name`` if set. Saved in
+    the output folder first (``model/``), then logged like any record (see src/template/serving.py).
+    A network that cannot be exported costs a warning, never the job's results."""
+    from src.template import serving
+
+    logger = mlflow_logger(loggers)
+    if logger is None or not settings.get("log_model", True):
+        return
+    try:
+        folder = serving.save_model(net, datamodule, output_dir / serving.MODEL_FOLDER)
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else repr(error)
+        rank_zero_warn(
+            f"the network was not logged as an MLflow model: exporting it failed ({reason}). "
+            "The checkpoint is logged as before; logger.log_model=false skips this step"
+        )
+        return
+    name = settings.get("registered_model_name")
+    if logger.outbox is not None:
+        logger.outbox.append(
+            encode("log_model", logger.run_id, folder=folder, step=step, key=uuid.uuid4().hex,
+                   registered_name=name)
+        )  # fmt: skip
+        print(f"MLflow model saved in {folder}; queued for run {logger.run_id}")
+        return
+    model_id, version = serving.log_model(
+        logger.experiment.tracking_uri, logger.run_id, folder, step, uuid.uuid4().hex, name
+    )
+    served = f"models:/{name}/{version}" if name else f"models:/{model_id}"
+    print(f"MLflow model {served} of run {logger.run_id}. Serve it: "
+          f"mlflow models serve -m {served} --env-manager local")  # fmt: skip
+
+
 def log_datasets(
     logger: MLFlowLogger, splits: Mapping[str, tuple[int, str]], source: str, name: str
 ) -> None:

@@ -1,0 +1,91 @@
+"""``python -m src.register SWEEP_DIR --name NAME``: register the best job of a sweep.
+
+Best by the sweep's ``optimized_metric`` (the value each job returned to Hydra, also in its
+``metrics.json``), highest unless ``--lowest``. That job's MLflow model (logged by every
+training job, see src/template/serving.py) becomes a new version of NAME in the store the
+jobs logged to; registering the same model again changes nothing.
+"""
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from src.template.serving import MODEL_NAME, register
+from src.template.tracking import RUN_ID_FILE
+
+
+class NoModel(RuntimeError):
+    """Nothing in the sweep can be registered: the message says why."""
+
+
+def best_job(sweep_dir: Path, lowest: bool) -> tuple[Path, str, float]:
+    """The folder of the sweep's best finished job (the first one of equals), the metric and its
+    value."""
+    scored = []
+    jobs = sorted(
+        sweep_dir.glob("*/metrics.json"), key=lambda p: (len(p.parent.name), p.parent.name)
+    )
+    for metrics_file in jobs:
+        job = metrics_file.parent
+        metric = OmegaConf.load(job / "config.yaml").optimized_metric
+        value = json.loads(metrics_file.read_text()).get(metric)
+        if value is not None and not math.isnan(value):
+            scored.append((value, job, metric))
+    if not scored:
+        raise NoModel(f"{sweep_dir} holds no finished job (no <job>/metrics.json with a value)")
+    value, job, metric = (min if lowest else max)(scored, key=lambda scored_job: scored_job[0])
+    return job, metric, value
+
+
+def register_best(sweep_dir: Path, name: str, lowest: bool, tracking_uri: str | None) -> str:
+    from mlflow import MlflowClient
+
+    job, metric, value = best_job(sweep_dir, lowest)
+    run_file = job / RUN_ID_FILE
+    if not run_file.is_file():
+        raise NoModel(f"the best job, {job} ({metric}={value:.6g}), has no MLflow run")
+    run_id = run_file.read_text().strip()
+    uri = tracking_uri or OmegaConf.load(job / "config.yaml").logger.tracking_uri
+    client = MlflowClient(uri)
+    experiment_id = client.get_run(run_id).info.experiment_id
+    models = client.search_logged_models(
+        [experiment_id],
+        filter_string=f"source_run_id = '{run_id}' AND name = '{MODEL_NAME}'",
+        order_by=[{"field_name": "creation_timestamp", "ascending": False}],
+    )
+    ready = [model for model in models if str(model.status) == "READY"]
+    if not ready:
+        raise NoModel(
+            f"run {run_id} of the best job ({job}) has no MLflow model yet: it was trained with "
+            f"logger.log_model=false, or its records wait (python -m src.sync {job})"
+        )
+    version = register(client, name, run_id, ready[0].model_id)
+    return (
+        f"registered {name} version {version}: {job} ({metric}={value:.6g}), run {run_id}. "
+        f"Serve it: mlflow models serve -m models:/{name}/{version} --env-manager local"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m src.register", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("sweep_dir", type=Path, help="the sweep's folder (multirun/...)")
+    parser.add_argument("--name", required=True, help="the registered model's name")
+    parser.add_argument("--lowest", action="store_true", help="lower is better (e.g. a loss)")
+    parser.add_argument("--tracking-uri", help="the store, if not the one the jobs used")
+    args = parser.parse_args(argv)
+    try:
+        print(register_best(args.sweep_dir, args.name, args.lowest, args.tracking_uri))
+    except NoModel as error:
+        print(f"Error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
