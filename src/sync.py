@@ -11,14 +11,16 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
-from src.template.outbox import FAIL_FAST, Outbox, OutboxBusy, encode
+from src.template.outbox import FAIL_FAST, NODE_OUTBOX, Outbox, OutboxBusy, encode
 from src.template.tracking import RUN_ID_FILE
 
 
 def sync(folder: Path, tracking_uri: str | None = None) -> str:
-    """Send the outbox of ``folder``; what was done, in one line."""
+    """Send the outbox of ``folder`` (and its other nodes' system metrics); what was done, in one
+    line."""
     from mlflow import MlflowClient
 
     outbox = Outbox(folder)
@@ -29,17 +31,15 @@ def sync(folder: Path, tracking_uri: str | None = None) -> str:
         if not outbox.ended:  # the job died before it could end its run
             recorded = outbox.records[1]["run_id"]  # an offline job's placeholder, mapped later
             outbox.append(encode("set_terminated", recorded, status="FAILED"))
-        client, count = MlflowClient(uri), outbox.pending
+        client = MlflowClient(uri)
         with mock.patch.dict(os.environ, FAIL_FAST):
-            while outbox.pending:
+            count = send_all(outbox, client, uri)
+            for path in sorted(folder.glob(NODE_OUTBOX.format("*") + ".jsonl")):
+                node = Outbox(folder, name=path.name.removesuffix(".jsonl"))
                 try:
-                    outbox.send_next(client)
-                except Exception as error:
-                    reason = str(error).strip().splitlines()[0][:160]
-                    raise ConnectionError(
-                        f"MLflow server {uri} did not take a record ({reason}); "
-                        f"{outbox.pending} still pending. Run this again when it answers"
-                    ) from error
+                    count += send_all(node, client, uri)
+                finally:
+                    node.close()
             run_id = outbox.run_id
             status = client.get_run(run_id).info.status
         run_file = folder / RUN_ID_FILE
@@ -48,6 +48,21 @@ def sync(folder: Path, tracking_uri: str | None = None) -> str:
     finally:
         outbox.close()
     return f"sent {count} record(s) to {uri}: run {run_id} is {status}"
+
+
+def send_all(outbox: Outbox, client: Any, uri: str) -> int:
+    """Send every pending record of ``outbox``, in order; how many."""
+    count = outbox.pending
+    while outbox.pending:
+        try:
+            outbox.send_next(client)
+        except Exception as error:
+            reason = str(error).strip().splitlines()[0][:160]
+            raise ConnectionError(
+                f"MLflow server {uri} did not take a record of {outbox.path.name} ({reason}); "
+                f"{outbox.pending} still pending. Run this again when it answers"
+            ) from error
+    return count
 
 
 def main(argv: list[str] | None = None) -> int:

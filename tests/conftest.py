@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -207,6 +208,17 @@ def mlflow_server(argv: Sequence[str], port: int, cwd: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+@pytest.fixture
+def server_url(tmp_path: Path) -> Iterator[str]:
+    """A real ``mlflow server`` on 127.0.0.1 with its own store, stopped by its process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = local_server_argv(port, tmp_path)
+    with mlflow_server(argv, port, tmp_path) as url:
+        yield url
 
 
 # --- a reference for jobs started by cluster launchers (torchrun, srun)

@@ -145,7 +145,7 @@ def sync(run_dir: Path) -> subprocess.CompletedProcess:
 def test_an_outage_mid_training_delays_records_not_training(server, job_factory) -> None:
     with server() as url:
         job = job_factory(f"trainer.max_epochs={OUTAGE_EPOCHS}", f"logger.tracking_uri={url}",
-                          env=slow_job_env())  # fmt: skip
+                          "logger.system_metrics_s=1", env=slow_job_env())  # fmt: skip
         wait_for(lambda: epochs_queued(job.run_dir) >= 1, "the first epoch")
     # The server is gone: training goes on, and its records wait in the outbox.
     outage_start, queued = time.time(), epochs_queued(job.run_dir)
@@ -153,6 +153,7 @@ def test_an_outage_mid_training_delays_records_not_training(server, job_factory)
     time.sleep(max(0.0, outage_start + 15 - time.time()))
     assert job.proc.poll() is None, "the job still trains when the server comes back"
     assert epochs_queued(job.run_dir) > queued, "epochs went on during the outage"
+    outage_end = time.time()
     with server() as url:
         job.wait(timeout=300)
         assert job.proc.returncode == 0, job.stderr[-3000:]
@@ -163,6 +164,10 @@ def test_an_outage_mid_training_delays_records_not_training(server, job_factory)
         artifacts = {a.path for a in client.list_artifacts(run_id)}
         assert {"config.yaml", "metrics.json", "checkpoints", "figures"} <= artifacts
         assert len(client.get_run(run_id).inputs.dataset_inputs) == 3
+        readings = client.get_metric_history(run_id, "system/cpu_utilization_percentage")
+        steps = sorted(m.step for m in readings)
+        assert steps == list(range(len(steps))), "system metrics: one per step, none lost"
+        assert any(outage_start < m.timestamp / 1000 < outage_end for m in readings)
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,8 +25,6 @@ from src.template.tracking import (
 )
 from tests.conftest import (
     PROJECT,
-    local_server_argv,
-    mlflow_server,
     read_metrics,
     run_entry,
     tiny_overrides,
@@ -159,17 +156,6 @@ def test_unreachable_server_is_a_clear_error_at_once(tmp_path: Path) -> None:
 # --- real jobs against a real `mlflow server`
 
 
-@pytest.fixture
-def server_url(tmp_path: Path) -> Iterator[str]:
-    """A real ``mlflow server`` on 127.0.0.1 with its own store, stopped by its process group."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = local_server_argv(port, tmp_path)
-    with mlflow_server(argv, port, tmp_path) as url:
-        yield url
-
-
 @pytest.mark.slow
 def test_training_against_a_real_mlflow_server(
     server_url: str, tiny_root: Path, tmp_path: Path
@@ -214,43 +200,3 @@ def test_unreachable_server_stops_the_job_before_training(tiny_root: Path, tmp_p
 
 
 # --- system metrics
-
-SLOW_STEPS = {  # each training step 0.2 s longer (tests/signal_at_step): a job lasts ~10 s
-    "PYTHONPATH": os.pathsep.join([str(PROJECT / "tests" / "signal_at_step"), str(PROJECT)]),
-    "SLEEP_PER_STEP": "0.2",
-}
-
-
-def system_metric_keys(client: MlflowClient) -> set[str]:
-    (run,) = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
-    return {key for key in run.data.metrics if key.startswith("system/")}
-
-
-@pytest.mark.slow
-def test_system_metrics_are_sampled_while_a_job_trains(tiny_root: Path, tmp_path: Path) -> None:
-    overrides = ["trainer.max_epochs=3", "logger.system_metrics_s=1", "hydra.run.dir=run"]
-    run_entry("train", *tiny_overrides(tiny_root), *overrides, cwd=tmp_path, env=SLOW_STEPS)
-    keys = system_metric_keys(MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}"))
-    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= keys
-
-
-@pytest.mark.slow
-def test_system_metrics_come_from_every_node(
-    server_url: str, tiny_root: Path, tmp_path: Path
-) -> None:
-    """Two torchrun "nodes" on this host, one rank each, against a server: each node samples."""
-    from tests.test_distributed import free_port, launch_together
-
-    port = free_port()
-    train = ["-m", "src.train", *tiny_overrides(tiny_root), "trainer.max_epochs=3",
-             "strategy=ddp", "devices=1", "num_nodes=2", f"logger.tracking_uri={server_url}",
-             "logger.system_metrics_s=1", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
-    commands = [
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-         "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", *train]
-        for node in (0, 1)
-    ]  # fmt: skip
-    launch_together(commands, [SLOW_STEPS] * 2, cwd=tmp_path)
-    keys = system_metric_keys(MlflowClient(server_url))
-    for node in ("node0", "node1"):
-        assert f"system/{node}/cpu_utilization_percentage" in keys, sorted(keys)

@@ -20,6 +20,7 @@ import fcntl
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -27,8 +28,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-OUTBOX_FILE = "mlflow_outbox.jsonl"  # one JSON record per line, the first one a header
-SENT_FILE = "mlflow_outbox.sent"  # how many records the server has taken
+OUTBOX = "mlflow_outbox"  # the job's outbox: <output folder>/mlflow_outbox.jsonl (and .sent)
+NODE_OUTBOX = "mlflow_outbox.node{}"  # node k > 0 of a job: its system metrics (see system_metrics)
+OUTBOX_FILE = f"{OUTBOX}.jsonl"  # one JSON record per line, the first one a header
 RUNS_FILE = "mlflow_outbox.runs.json"  # offline jobs: placeholder run id -> the real one
 PLACEHOLDER_TAG = "outbox.placeholder"  # on a run src.sync created for an offline job
 # The client calls the outbox carries, with the names of their arguments after the run id.
@@ -164,8 +166,8 @@ class Outbox:
     so the job and ``src.sync`` never send the same outbox at once.
     """
 
-    def __init__(self, folder: Path, tracking_uri: str | None = None) -> None:
-        self.path, self.sent_path = folder / OUTBOX_FILE, folder / SENT_FILE
+    def __init__(self, folder: Path, tracking_uri: str | None = None, name: str = OUTBOX) -> None:
+        self.path, self.sent_path = folder / f"{name}.jsonl", folder / f"{name}.sent"
         if tracking_uri is None and not self.path.is_file():
             raise FileNotFoundError(f"{self.path} does not exist: nothing was queued there")
         self.file = self.path.open("a+", encoding="utf-8")
@@ -296,3 +298,33 @@ class OutboxClient:
             self._outbox.append(encode(name, run_id, **named, **kwargs))
 
         return queued
+
+
+def finish(
+    outbox: Outbox, sender: Sender | None, timeout_s: float, run_id: str, offline: bool = False
+) -> int:
+    """At the end of a job: wait up to ``timeout_s`` for the records to be sent, stop sending,
+    and say in one line what is left, with the command that sends it. The number left."""
+    pending = sender.drain(timeout_s) if sender else outbox.pending
+    if sender:
+        sender.stopping.set()
+    outbox.close()
+    folder = outbox.path.parent
+    if not pending:
+        return 0
+    if offline:
+        say = f"logger.offline=true: {pending} MLflow record(s) wait in {folder}"
+    else:
+        reason = str(sender.last_error or "").strip().splitlines()[:1] if sender else []
+        say = (
+            f"MLflow server {outbox.tracking_uri} did not take {pending} record(s) of "
+            f"run {run_id} ({reason[0][:120] if reason else 'no answer yet'}); "
+            f"they are kept in {folder}"
+        )
+    print(
+        f"{say}. Send them from a machine that reaches {outbox.tracking_uri}: "
+        f"python -m src.sync {folder}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return pending

@@ -12,7 +12,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import uuid
 import warnings
 from collections.abc import Iterator, Mapping
@@ -31,7 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.template.checkpoint import epoch_finished
 from src.template.distributed import SWEEP_JOB_ENV, launch_rank, requested_processes
-from src.template.outbox import FAIL_FAST, Outbox, OutboxClient, Sender, encode
+from src.template.outbox import FAIL_FAST, Outbox, OutboxClient, Sender, encode, finish
+from src.template.system_metrics import SystemMetrics
 
 SQLITE_PREFIX = "sqlite:///"
 MASK = "***"
@@ -400,29 +400,8 @@ def sending(loggers: list[Logger], timeout_s: float) -> Iterator[None]:
         yield
     finally:
         logger = mlflow_logger(loggers)
-        outbox, sender = getattr(logger, "outbox", None), getattr(logger, "sender", None)
-        if outbox is not None:
-            pending = sender.drain(timeout_s) if sender else outbox.pending
-            if sender:
-                sender.stopping.set()
-            outbox.close()
-            folder = outbox.path.parent
-            if pending and logger.offline:
-                say = f"logger.offline=true: {pending} MLflow record(s) wait in {folder}"
-            elif pending:
-                reason = str(sender.last_error or "").strip().splitlines()[:1]
-                say = (
-                    f"MLflow server {outbox.tracking_uri} did not take {pending} record(s) of "
-                    f"run {logger.run_id} ({reason[0][:120] if reason else 'no answer yet'}); "
-                    f"they are kept in {folder}"
-                )
-            if pending:
-                print(
-                    f"{say}. Send them from a machine that reaches {outbox.tracking_uri}: "
-                    f"python -m src.sync {folder}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        if getattr(logger, "outbox", None) is not None:
+            finish(logger.outbox, logger.sender, timeout_s, logger.run_id, logger.offline)
 
 
 @rank_zero_only
@@ -583,59 +562,13 @@ def callbacks(loggers: list[Logger], cfg: DictConfig) -> list[Callback]:
     if logger is not None:
         found += [RecordRunInCheckpoint(logger, cfg.logger.tracking_uri), SkipCutEpoch(logger)]
     if cfg.logger.kind == "mlflow" and cfg.logger.system_metrics_s and not cfg.logger.offline:
-        found.append(SystemMetrics(logger, cfg.logger.tracking_uri, cfg.logger.system_metrics_s))
+        found.append(
+            SystemMetrics(
+                logger, cfg.logger.tracking_uri, cfg.logger.system_metrics_s,
+                Path(cfg.paths.output_dir), cfg.logger.get("send_timeout_s", 0),
+            )
+        )  # fmt: skip
     return found
-
-
-class SystemMetrics(Callback):
-    """MLflow's system metrics (CPU, memory, disk, network; per GPU utilisation, memory and
-    power) in the job's run, the UI's "System metrics" tab, while it trains.
-
-    MLflow starts its monitor only for runs of ``mlflow.start_run``; this starts one for the run
-    the logger made, in the first process of every node (``system/node<k>/...`` when there are
-    several nodes). Against a SQLite store only rank 0's node samples: a database file is no
-    place for writers on other machines.
-    """
-
-    def __init__(self, logger: MLFlowLogger | None, tracking_uri: str, every_s: float) -> None:
-        self.logger, self.tracking_uri, self.every_s = logger, tracking_uri, every_s
-        self.monitor: Any = None
-        self.lock, self.stopped = threading.Lock(), False
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Once per job, at fit start: the other nodes learn the run id from rank 0.
-        run_id = trainer.strategy.broadcast(self.logger.run_id if self.logger else None)
-        if trainer.local_rank != 0 or run_id is None:
-            return
-        if trainer.global_rank != 0 and sqlite_file(self.tracking_uri):
-            return
-        node = f"node{trainer.node_rank}" if trainer.num_nodes > 1 else None
-        # In the background: MLflow's monitor asks the server for the run when it is made.
-        threading.Thread(target=self._start, args=(run_id, node), daemon=True).start()
-
-    def _start(self, run_id: str, node: str | None) -> None:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        monitor = SystemMetricsMonitor(
-            run_id,
-            sampling_interval=self.every_s,
-            resume_logging=True,  # a resumed job continues the steps of the run
-            node_id=node,
-            tracking_uri=self.tracking_uri,
-        )
-        with self.lock:
-            if not self.stopped:
-                self.monitor = monitor
-                monitor.start()
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        with self.lock:
-            self.stopped, monitor, self.monitor = True, self.monitor, None
-        if monitor is not None:
-            # finish() joins the sampler, which may be waiting for a server that is away.
-            stopping = threading.Thread(target=monitor.finish, daemon=True)
-            stopping.start()
-            stopping.join(timeout=5)
 
 
 class SkipCutEpoch(Callback):
