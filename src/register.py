@@ -25,6 +25,10 @@ class NoModel(RuntimeError):
 def best_job(sweep_dir: Path, lowest: bool) -> tuple[Path, str, float]:
     """The folder of the sweep's best finished job (the first one of equals), the metric and its
     value."""
+    if not sweep_dir.is_dir():
+        raise NoModel(
+            f"{sweep_dir} is not a folder: pass a sweep's, outputs/train/multiruns/<time>"
+        )
     scored = []
     jobs = sorted(
         sweep_dir.glob("*/metrics.json"), key=lambda p: (len(p.parent.name), p.parent.name)
@@ -63,18 +67,23 @@ def register_best(sweep_dir: Path, name: str, lowest: bool, tracking_uri: str | 
             f"run {run_id} of the best job ({job}) has no MLflow model yet: it was trained with "
             f"logger.log_model=false, or its records wait (python -m src.sync {job})"
         )
-    version = register(client, name, run_id, ready[0].model_id)
+    version, new = register(client, name, run_id, ready[0].model_id)
+    done = f"registered {name} version {version}" if new else f"{name} version {version} already is"
     return (
-        f"registered {name} version {version}: {job} ({metric}={value:.6g}), run {run_id}. "
+        f"{done}: {job} ({metric}={value:.6g}), run {run_id}. "
         f"Serve it: mlflow models serve -m models:/{name}/{version} --env-manager local"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m src.register", description=__doc__.splitlines()[0]
+        prog="python -m src.register",
+        description="Register the MLflow model of a sweep's best job, by the value of its "
+        "optimized_metric in each job's metrics.json.",
     )
-    parser.add_argument("sweep_dir", type=Path, help="the sweep's folder (multirun/...)")
+    parser.add_argument(
+        "sweep_dir", type=Path, help="the sweep's folder: outputs/train/multiruns/<time>"
+    )
     parser.add_argument("--name", required=True, help="the registered model's name")
     parser.add_argument("--lowest", action="store_true", help="lower is better (e.g. a loss)")
     parser.add_argument("--tracking-uri", help="the store, if not the one the jobs used")

@@ -35,6 +35,11 @@ def test_a_sweep_without_a_finished_job_is_one_line(
     assert capsys.readouterr().err == (
         f"Error: {tmp_path} holds no finished job (no <job>/metrics.json with a value)\n"
     )
+    assert main([str(tmp_path / "nowhere"), "--name", "best"]) == 1
+    assert capsys.readouterr().err == (
+        f"Error: {tmp_path / 'nowhere'} is not a folder: pass a sweep's, "
+        "outputs/train/multiruns/<time>\n"
+    )
 
 
 def test_a_best_job_without_a_run_is_one_line(

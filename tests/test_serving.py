@@ -24,6 +24,7 @@ from tests.image_data import make_image_folder
 from tests.test_data import make_module
 from tests.test_distributed import free_port
 from tests.test_outbox import sync
+from tests.test_system_metrics import SLOW_STEPS
 
 SHOWN = 16  # test images sent to the served model
 
@@ -135,10 +136,11 @@ def test_the_best_job_of_a_sweep_is_registered_and_served(tiny_root: Path, tmp_p
     best = max(scores, key=scores.get)
     argv = [sys.executable, "-m", "src.register", str(sweep), "--name", "best"]
     env = {**os.environ, "PYTHONPATH": str(PROJECT)}
-    for _ in range(2):  # registering the same model again changes nothing
+    # Registering the same model again changes nothing, and says so.
+    for said in ("registered best version 1", "best version 1 already is"):
         done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.startswith(f"registered best version 1: {sweep / best} (val/acc_best=")
+        assert done.stdout.startswith(f"{said}: {sweep / best} (val/acc_best="), done.stdout
     (version,) = client.search_model_versions("name = 'best'")
     assert version.run_id == (sweep / best / "mlflow_run_id.txt").read_text().strip()
 
@@ -167,9 +169,9 @@ def test_a_ddp_job_logs_one_model_to_a_server_once(tiny_root: Path, tmp_path: Pa
     run_dir = tmp_path / "run"
     with mlflow_server(local_server_argv(port, tmp_path), port, tmp_path) as url:
         run_entry("train", *tiny_overrides(tiny_root), "strategy=ddp", "devices=2",
-                  "accelerator=cpu", f"logger.tracking_uri={url}",
+                  "accelerator=cpu", f"logger.tracking_uri={url}", "logger.system_metrics_s=1",
                   "logger.registered_model_name=ddp", f"hydra.run.dir={run_dir}",
-                  cwd=tmp_path)  # fmt: skip
+                  cwd=tmp_path, env=SLOW_STEPS)  # fmt: skip
         client = MlflowClient(url)
         run_id = (run_dir / "mlflow_run_id.txt").read_text().strip()
         experiment = client.get_run(run_id).info.experiment_id
@@ -177,7 +179,11 @@ def test_a_ddp_job_logs_one_model_to_a_server_once(tiny_root: Path, tmp_path: Pa
         def assert_one_model() -> None:
             (model,) = client.search_logged_models([experiment])
             assert model.source_run_id == run_id and str(model.status) == "READY"
+            # Only the test metrics, though system metrics were read at that step too.
             assert {m.key for m in model.metrics} == {"test/acc", "test/loss", "test/samples"}
+            (step,) = {m.step for m in model.metrics}
+            readings = client.get_metric_history(run_id, "system/cpu_utilization_percentage")
+            assert step in {m.step for m in readings}
             (version,) = client.search_model_versions("name = 'ddp'")
             assert version.run_id == run_id and version.source == f"models:/{model.model_id}"
 

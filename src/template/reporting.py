@@ -112,7 +112,9 @@ def show_config(cfg: DictConfig) -> None:
     tree = Tree("config", guide_style="dim")
     for key, value in cfg.items():
         text = OmegaConf.to_yaml(value, resolve=True) if isinstance(value, DictConfig) else value
-        tree.add(f"[bold]{key}[/]").add(Syntax(str(text).rstrip(), "yaml", theme="ansi_dark"))
+        # Wrapped, not cut at the console's width: paths are read and copied from here.
+        syntax = Syntax(str(text).rstrip(), "yaml", theme="ansi_dark", word_wrap=True)
+        tree.add(f"[bold]{key}[/]").add(syntax)
     console.print(tree)
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from src.template.data import ImageDataModule
+from src.template.system_metrics import PREFIX as SYSTEM_PREFIX
 
 MODEL_FOLDER = "model"  # in the output folder: the saved MLflow model
 MODEL_NAME = "model"  # its name in the run
@@ -140,13 +141,12 @@ def log_model(
     for model in mine:
         if model not in ready:
             client.delete_logged_model(model.model_id)
-    if ready:
-        model_id = ready[0].model_id
-    else:
-        with quietly():
-            model_id = upload(client, run, folder, step, key)
-    version = register(client, registered_name, run_id, model_id) if registered_name else None
-    return model_id, version
+    with quietly():
+        model_id = ready[0].model_id if ready else upload(client, run, folder, step, key)
+        registered = (
+            register(client, registered_name, run_id, model_id) if registered_name else None
+        )
+    return model_id, registered[0] if registered else None
 
 
 def upload(client: Any, run: Any, folder: Path, step: int, key: str) -> str:
@@ -159,9 +159,10 @@ def upload(client: Any, run: Any, folder: Path, step: int, key: str) -> str:
         params=run.data.params, model_type="image-classifier",
     )  # fmt: skip
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=step)])
-    linked = [
+    linked = [  # the test metrics (system metrics have steps of their own)
         Metric(m.key, m.value, m.timestamp, m.step, model_id=model.model_id, run_id=run_id)
         for key in run.data.metrics
+        if not key.startswith(SYSTEM_PREFIX)
         for m in client.get_metric_history(run_id, key)
         if m.step == step and m.model_id is None
     ]
@@ -177,8 +178,9 @@ def upload(client: Any, run: Any, folder: Path, step: int, key: str) -> str:
     return model.model_id
 
 
-def register(client: Any, name: str, run_id: str, model_id: str) -> int:
-    """A version of the registered model ``name`` for the LoggedModel ``model_id`` (made once)."""
+def register(client: Any, name: str, run_id: str, model_id: str) -> tuple[int, bool]:
+    """The version of the registered model ``name`` that is the LoggedModel ``model_id``, made
+    once; and whether it was made now."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -188,8 +190,8 @@ def register(client: Any, name: str, run_id: str, model_id: str) -> int:
             raise
     for version in client.search_model_versions(f"name = '{name}'"):
         if version.source == f"models:/{model_id}":
-            return int(version.version)
+            return int(version.version), False
     version = client.create_model_version(
         name, source=f"models:/{model_id}", run_id=run_id, model_id=model_id
     )
-    return int(version.version)
+    return int(version.version), True

@@ -8,6 +8,7 @@ readings and the records go where the job's other records go: against a server, 
 by a thread of its own and by ``src.sync``), so an outage delays them and loses none.
 """
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,8 @@ class Sampler(threading.Thread):
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         # Its samplers only (GPU: NVIDIA or AMD, if any): its own loop, which logs, never runs.
+        # Its INFO lines ("Skip logging GPU metrics" on a CPU machine) are not for the job's log.
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
         source = SystemMetricsMonitor(
             "", sampling_interval=self.every_s, tracking_uri=self.tracking_uri
         )

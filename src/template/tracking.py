@@ -501,7 +501,9 @@ def log_model(
             encode("log_model", logger.run_id, folder=folder, step=step, key=uuid.uuid4().hex,
                    registered_name=name)
         )  # fmt: skip
-        print(f"MLflow model saved in {folder}; queued for run {logger.run_id}")
+        then = f" and registered as a version of {name}" if name else ""
+        print(f"MLflow model saved in {folder}; it is logged to run {logger.run_id}{then} "
+              "when the run's records are sent")  # fmt: skip
         return
     model_id, version = serving.log_model(
         logger.experiment.tracking_uri, logger.run_id, folder, step, uuid.uuid4().hex, name
