@@ -9,8 +9,8 @@ import pytest
 from mlflow import MlflowClient
 
 from src.sync import sync
-from src.template.outbox import NODE_OUTBOX, Outbox, encode
-from src.template.system_metrics import Sampler, to_outbox
+from src.template.outbox import NODE_OUTBOX, Outbox, OutboxClient, encode
+from src.template.system_metrics import Sampler, writer
 from tests.conftest import PROJECT, run_entry, tiny_overrides
 from tests.test_outbox import sqlite_run
 
@@ -40,7 +40,7 @@ def test_src_sync_sends_the_other_nodes_outboxes_too(tmp_path: Path) -> None:
     job.append(encode("set_terminated", run_id, status="FINISHED"))
     job.close()
     node = Outbox(tmp_path, uri, name=NODE_OUTBOX.format(1))
-    to_outbox(node, run_id)({"system/node1/cpu_utilization_percentage": 12.5}, 0)
+    writer(OutboxClient(None, node), run_id)({"system/node1/cpu_utilization_percentage": 12.5}, 0)
     node.close()
     assert sync(tmp_path) == f"sent 2 record(s) to {uri}: run {run_id} is FINISHED"
     (point,) = client.get_metric_history(run_id, "system/node1/cpu_utilization_percentage")

@@ -19,7 +19,7 @@ import lightning.pytorch as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from src.template.outbox import NODE_OUTBOX, Outbox, Sender, encode, finish
+from src.template.outbox import NODE_OUTBOX, Outbox, OutboxClient, Sender, finish
 
 PREFIX = "system/"
 
@@ -58,23 +58,13 @@ class Sampler(threading.Thread):
             self.step += 1
 
 
-def to_outbox(outbox: Outbox, run_id: str) -> Write:
+def writer(client: Any, run_id: str) -> Write:
+    """Readings as a metrics batch of the run, through ``client``: the logger's own (an outbox's
+    with a server, the store's with SQLite) or a node's outbox. A failure is said once; the
+    sampler goes on."""
     from mlflow.entities import Metric
 
-    def write(metrics: dict[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
-        batch = [Metric(key, value, now, step) for key, value in metrics.items()]
-        outbox.append(encode("log_batch", run_id, metrics=batch))
-
-    return write
-
-
-def to_store(tracking_uri: str, run_id: str) -> Write:
-    """Straight into a SQLite store (a local file: no outages); a failure is said once."""
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric
-
-    client, failed = MlflowClient(tracking_uri), []
+    failed: list[Exception] = []
 
     def write(metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
@@ -85,20 +75,22 @@ def to_store(tracking_uri: str, run_id: str) -> Write:
         except Exception as error:
             if not failed:
                 failed.append(error)
-                rank_zero_warn(f"system metrics could not be written to {tracking_uri}: {error}")
+                rank_zero_warn(f"system metrics of run {run_id} could not be written: {error}")
 
     return write
 
 
 class SystemMetrics(Callback):
     """Samples while the job trains, in the first process of every node (``system/node<k>/...``
-    when there are several nodes), into the run of rank 0's logger. Against a SQLite store only
-    rank 0's node samples: a database file is no place for writers on other machines."""
+    when there are several nodes), into the run of rank 0's logger. ``every_node=False`` (a
+    SQLite store: no place for writers on other machines) samples rank 0's node only."""
 
     def __init__(
-        self, logger: Any, tracking_uri: str, every_s: float, folder: Path, send_timeout_s: float
-    ) -> None:
+        self, logger: Any, tracking_uri: str, every_s: float, folder: Path, send_timeout_s: float,
+        every_node: bool,
+    ) -> None:  # fmt: skip
         self.logger, self.tracking_uri, self.every_s = logger, tracking_uri, every_s
+        self.every_node = every_node
         self.folder, self.send_timeout_s = folder, send_timeout_s
         self.sampler: Sampler | None = None
         self.outbox: Outbox | None = None  # node k > 0 against a server: its own
@@ -112,24 +104,18 @@ class SystemMetrics(Callback):
         if trainer.local_rank != 0 or start is None:
             return
         self.run_id, first_step = start
-        sqlite = self.tracking_uri.startswith("sqlite:///")
-        if trainer.global_rank != 0 and sqlite:
-            return
         if trainer.global_rank == 0:
-            outbox = self.logger.outbox
-            write = (
-                to_outbox(outbox, self.run_id)
-                if outbox
-                else to_store(self.tracking_uri, self.run_id)
-            )
-        else:
+            write = writer(self.logger.experiment, self.run_id)
+        elif self.every_node:
             from mlflow import MlflowClient
 
             name = NODE_OUTBOX.format(trainer.node_rank)
             self.outbox = Outbox(self.folder, self.tracking_uri, name=name)
             self.sender = Sender(self.outbox, MlflowClient(self.tracking_uri))
             self.sender.start()
-            write = to_outbox(self.outbox, self.run_id)
+            write = writer(OutboxClient(None, self.outbox), self.run_id)
+        else:
+            return
         prefix = PREFIX + (f"node{trainer.node_rank}/" if trainer.num_nodes > 1 else "")
         self.sampler = Sampler(self.every_s, prefix, write, first_step, self.tracking_uri)
         self.sampler.start()

@@ -568,6 +568,7 @@ def callbacks(loggers: list[Logger], cfg: DictConfig) -> list[Callback]:
             SystemMetrics(
                 logger, cfg.logger.tracking_uri, cfg.logger.system_metrics_s,
                 Path(cfg.paths.output_dir), cfg.logger.get("send_timeout_s", 0),
+                every_node=not sqlite_file(cfg.logger.tracking_uri),
             )
         )  # fmt: skip
     return found
