@@ -60,7 +60,7 @@ def raw_loop(train_set, batch: int, steps: int) -> float:
     torch.manual_seed(0)
     net = ConvNet(num_classes=10)
     optimizer = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-4)
-    images, labels = train_set.images, train_set.labels
+    images, labels = train_set.inputs, train_set.targets
     order = torch.randperm(len(labels))
     start = 0.0
     for step in range(WARMUP + steps):
@@ -191,7 +191,7 @@ class PerSample(Dataset):
 
     def __getitem__(self, i: int):
         sample = self.batches[i]
-        return sample.images, sample.labels
+        return sample.inputs, sample.targets
 
 
 def loader_throughput(loader: DataLoader, batches: int) -> float:
@@ -258,7 +258,7 @@ def raw_device_loop(train_set, batch: int, steps: int, device: str, fast: bool) 
     net = net.to(memory_format=layout)
     forward = torch.compile(net) if fast else net
     optimizer = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-4)
-    images, labels = train_set.images.to(device), train_set.labels.to(device)
+    images, labels = train_set.inputs.to(device), train_set.targets.to(device)
     mean, std = train_set.mean.to(device), train_set.std.to(device)
     order = torch.randperm(len(labels), device=device)
     start = 0.0
@@ -479,8 +479,8 @@ def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict
             "skipped": "needs ../shared/data, not --tiny"
         }
     # The whole official training split (train + validation): 60,000 images for Fashion-MNIST.
-    images = torch.cat([train_set.images, datamodule.val_set.images])
-    labels = torch.cat([train_set.labels, datamodule.val_set.labels])
+    images = torch.cat([train_set.inputs, datamodule.val_set.inputs])
+    labels = torch.cat([train_set.targets, datamodule.val_set.targets])
     count = len(labels) if real else 600
     seconds = repeat(repeats, lambda: decode_folder(images, labels, count, workdir))
     rows[f"7. image folder: decode {count:,} PNG images (s)"] = seconds

@@ -2,7 +2,7 @@
 
 Best by the sweep's ``optimized_metric`` (the value each job returned to Hydra, also in its
 ``metrics.json``), highest unless ``--lowest``. That job's MLflow model (logged by every
-training job, see src/template/serving.py) becomes a new version of NAME in the store the
+training job, see src/template/export.py) becomes a new version of NAME in the store the
 jobs logged to; registering the same model again changes nothing.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from src.template.serving import MODEL_NAME, register
+from src.template.export import MODEL_NAME, register
 from src.template.tracking import RUN_ID_FILE
 
 

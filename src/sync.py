@@ -8,12 +8,11 @@ it changes nothing.
 """
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
+from src.template.environment import environment
 from src.template.outbox import FAIL_FAST, NODE_OUTBOX, Outbox, OutboxBusy, encode
 from src.template.tracking import RUN_ID_FILE
 
@@ -32,7 +31,7 @@ def sync(folder: Path, tracking_uri: str | None = None) -> str:
             recorded = outbox.records[1]["run_id"]  # an offline job's placeholder, mapped later
             outbox.append(encode("set_terminated", recorded, status="FAILED"))
         client = MlflowClient(uri)
-        with mock.patch.dict(os.environ, FAIL_FAST):
+        with environment(**FAIL_FAST):
             count = send_all(outbox, client, uri)
             for path in sorted(folder.glob(NODE_OUTBOX.format("*") + ".jsonl")):
                 node = Outbox(folder, name=path.name.removesuffix(".jsonl"))

@@ -8,17 +8,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.task.data import datamodule_class
+from src.task import TASK
 from src.task.data.mnist import MNISTDataModule
 from src.task.model import ImageClassifier
-from src.template.checkpoint import (
-    AtomicCheckpointIO,
-    CheckpointError,
-    SeedEachBatch,
-    check_fits,
-    load_for_inference,
-    read_checkpoint,
-)
+from src.template.checkpoint import AtomicCheckpointIO, CheckpointError, check_fits, read_checkpoint
+from src.template.inference import load_for_inference
+from src.template.resume import SeedEachBatch
 
 NET = {"channels": [8, 16], "hidden": 32, "dropout": 0.25, "batch_norm": True}
 
@@ -105,9 +100,7 @@ def test_checkpoint_of_an_older_config_loads_with_todays_defaults(tmp_path: Path
     data = OmegaConf.create({"name": "mnist", "root": str(tmp_path), "download": False})
     data.update(batch_size=8, val_size=2)
     with pytest.warns(UserWarning, match=r"predates config keys channels_last=False, net.dropou"):
-        model, _, _ = load_for_inference(
-            str(tmp_path / "old.ckpt"), data, set(), datamodule_class, ImageClassifier
-        )
+        model, _, _ = load_for_inference(str(tmp_path / "old.ckpt"), data, set(), TASK)
     for name, tensor in trained.net.state_dict().items():
         assert torch.equal(model.net.state_dict()[name], tensor)
 
@@ -119,9 +112,7 @@ def test_checkpoint_with_keys_this_code_does_not_know_names_them(tmp_path: Path)
     torch.save(saved, tmp_path / "new.ckpt")
     data = OmegaConf.create({"name": "mnist"})
     with pytest.raises(CheckpointError) as error:
-        load_for_inference(
-            str(tmp_path / "new.ckpt"), data, set(), datamodule_class, ImageClassifier
-        )
+        load_for_inference(str(tmp_path / "new.ckpt"), data, set(), TASK)
     assert "keys this code does not know: net.activation; keys it lacks: lr" in str(error.value)
 
 

@@ -10,13 +10,13 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.task.data import build_datamodule, datamodule_class
+from src.task import TASK
 from src.task.model import ImageClassifier
 from src.task.nets.convnet import ConvNet
 from src.template.config import check_keys, check_sections
 from src.template.distributed import check_devices
 from src.template.tracking import build_loggers
-from src.template.trainer import build_trainer, check_settings
+from src.template.trainer import build_callbacks, build_trainer, check_settings
 from tests.conftest import PROJECT
 from tests.image_data import make_image_folder
 
@@ -60,17 +60,18 @@ def test_group_option_composes_and_builds(name: str, override: str, tmp_path: Pa
     if cfg.data.name == "image_folder":
         make_image_folder(Path(cfg.data.root), n_train=2, n_test=1)
     check_settings(cfg, fitting=name == "train")  # every shipped option passes the checks
-    check_keys("data", cfg.data, datamodule_class(cfg.data.name))
-    model_cfg = cfg.get("model") or compose_config("train", [], tmp_path).model
-    check_sections(cfg, ImageClassifier.config_targets(model_cfg.net))
-    datamodule = build_datamodule(cfg.data)
-    model = ImageClassifier(
-        num_classes=datamodule.num_classes,
-        image_shape=datamodule.image_shape,
-        **OmegaConf.to_container(model_cfg),
+    check_keys("data", cfg.data, TASK.datamodule_class(cfg.data.name))
+    model_cfg = OmegaConf.to_container(
+        cfg.get("model") or compose_config("train", [], tmp_path).model
     )
+    check_sections(cfg, TASK.config_targets(model_cfg))
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    datamodule = TASK.datamodule_class(cfg.data.name)(**data)
+    model = TASK.build_model(model_cfg, datamodule)
     assert model(torch.zeros(2, *datamodule.image_shape)).shape == (2, datamodule.num_classes)
-    trainer = build_trainer(cfg, build_loggers(cfg), fitting=name == "train")
+    fitting = name == "train"
+    callbacks = build_callbacks(cfg, (TASK.monitor, TASK.mode) if fitting else None)
+    trainer = build_trainer(cfg, build_loggers(cfg), callbacks, fitting=fitting)
     assert trainer.world_size == cfg.devices * cfg.num_nodes
     assert datamodule.hparams.batch_size == cfg.data.batch_size
 

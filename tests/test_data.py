@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from src.task.data.images import Normalize
 from src.task.data.mnist import DATASETS, FILES, MNISTDataModule, download, load_split, read_idx
-from src.template.data import Batch, DataError, ImageBatches, keep_batch
+from src.template.data import Batch, DataError, TensorSplit, keep_batch
 from tests.idx_data import idx_bytes, make_dataset, write_idx
 
 SHARED_DATA = Path(__file__).parents[2] / "shared" / "data"
@@ -220,14 +221,14 @@ def test_setup_splits_are_deterministic_permutations(tmp_path: Path) -> None:
     dm.setup("fit")
     dm.setup("fit")  # idempotent
     assert len(dm.val_set) == 10 and len(dm.train_set) == 40
-    both = torch.cat([dm.val_set.source_indices, dm.train_set.source_indices])
+    both = torch.cat([dm.val_set.indices, dm.train_set.indices])
     assert sorted(both.tolist()) == list(range(50))
     again = make_module(tmp_path)
     again.setup("fit")
-    assert torch.equal(again.val_set.source_indices, dm.val_set.source_indices)
+    assert torch.equal(again.val_set.indices, dm.val_set.indices)
     other = make_module(tmp_path, split_seed=7)
     other.setup("fit")
-    assert not torch.equal(other.val_set.source_indices, dm.val_set.source_indices)
+    assert not torch.equal(other.val_set.indices, dm.val_set.indices)
     assert dm.num_classes == 10 and dm.classes[3] == "3"
 
 
@@ -239,17 +240,17 @@ def test_loader_batches_are_normalised(tmp_path: Path) -> None:
     dm.setup("fit")
     batch = next(iter(dm.val_dataloader()))
     assert isinstance(batch, Batch)
-    assert batch.images.dtype == torch.float32 and batch.images.shape == (8, 1, 28, 28)
-    assert batch.labels.dtype == torch.int64 and batch.indices.dtype == torch.int64
-    assert torch.equal(batch.labels, raw_labels[batch.indices])
+    assert batch.inputs.dtype == torch.float32 and batch.inputs.shape == (8, 1, 28, 28)
+    assert batch.targets.dtype == torch.int64 and batch.indices.dtype == torch.int64
+    assert torch.equal(batch.targets, raw_labels[batch.indices])
     i = int(batch.indices[0])
     pixel = float(raw_images[i, 5, 7])
     expected = (pixel / 255 - 0.1307) / 0.3081
-    assert batch.images[0, 0, 5, 7].item() == pytest.approx(expected, abs=1e-5)
+    assert batch.inputs[0, 0, 5, 7].item() == pytest.approx(expected, abs=1e-5)
     one = dm.val_set[0]
-    assert one.images.shape == (1, 28, 28)
-    assert torch.equal(one.images, batch.images[0]) and int(one.indices) == i
-    sizes = [len(b.labels) for b in dm.train_dataloader()]
+    assert one.inputs.shape == (1, 28, 28)
+    assert torch.equal(one.inputs, batch.inputs[0]) and int(one.indices) == i
+    sizes = [len(b.targets) for b in dm.train_dataloader()]
     assert sizes == [8] * 5
 
 
@@ -262,7 +263,7 @@ def test_device_resident_loaders_give_the_same_batches(tmp_path: Path) -> None:
         dm.setup("fit")
     for loader in ("train_dataloader", "val_dataloader"):
         ours = list(getattr(resident, loader)())
-        assert ours[0].images.device == resident._resident(resident.train_set).images.device
+        assert ours[0].inputs.device == resident._resident(resident.train_set).inputs.device
         for a, b in zip(list(getattr(host, loader)()), ours, strict=True):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert resident.train_dataloader().dataset is resident.train_dataloader().dataset  # once
@@ -271,7 +272,11 @@ def test_device_resident_loaders_give_the_same_batches(tmp_path: Path) -> None:
 
 
 def test_image_batches_work_with_any_sampler() -> None:
-    ds = ImageBatches(torch.zeros(6, 1, 28, 28, dtype=torch.uint8), torch.arange(6), [0.0], [1.0])
+    ds = TensorSplit(
+        torch.zeros(6, 1, 28, 28, dtype=torch.uint8),
+        torch.arange(6),
+        transform=Normalize([0.0], [1.0]),
+    )
     sampler = torch.utils.data.SequentialSampler(range(6))
     loader = DataLoader(ds, batch_size=4, sampler=sampler, collate_fn=keep_batch)
     assert [b.indices.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5]]
@@ -309,10 +314,10 @@ def test_predict_split_and_test_loader(tmp_path: Path) -> None:
     make_dataset(tmp_path)
     dm = make_module(tmp_path)
     dm.setup("test")
-    assert sum(len(b.labels) for b in dm.test_dataloader()) == 17
+    assert sum(len(b.targets) for b in dm.test_dataloader()) == 17
     dm.predict_split = "val"
     dm.setup("predict")
-    assert sum(len(b.labels) for b in dm.predict_dataloader()) == 10
+    assert sum(len(b.targets) for b in dm.predict_dataloader()) == 10
 
 
 def test_hparams_load_with_weights_only(tmp_path: Path) -> None:

@@ -16,10 +16,12 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from mlflow import MlflowClient
 from torch.utils.data import TensorDataset
 
-from src.template.distributed import GlobalBatchSampler, UnpaddedSampler, WatchedDDPStrategy
+from src.template.distributed import WatchedDDPStrategy
+from src.template.resume import GlobalBatchSampler
 from src.template.trainer import build_trainer
 from tests.conftest import (
     N_TEST,
@@ -46,14 +48,17 @@ def dataset(n: int) -> TensorDataset:
 # --- samplers
 
 
-@pytest.mark.parametrize("n", [1, 5, 67, 131])
+def unpadded(n: int, world: int, rank: int) -> UnrepeatedDistributedSampler:
+    return UnrepeatedDistributedSampler(dataset(n), world, rank, shuffle=False)
+
+
+@pytest.mark.parametrize("n", [4, 5, 67, 131])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_unpadded_sampler_covers_every_sample_once(n: int, world: int) -> None:
-    shares = [list(UnpaddedSampler(dataset(n), world, rank)) for rank in range(world)]
+def test_the_eval_sampler_covers_every_sample_once(n: int, world: int) -> None:
+    """Lightning's sampler, as the data module uses it (src/template/data.py)."""
+    shares = [list(unpadded(n, world, rank)) for rank in range(world)]
     assert sorted(i for share in shares for i in share) == list(range(n))
-    assert [len(s) for s in shares] == [
-        len(UnpaddedSampler(dataset(n), world, r)) for r in range(world)
-    ]
+    assert [len(s) for s in shares] == [len(unpadded(n, world, r)) for r in range(world)]
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
@@ -121,7 +126,7 @@ def test_several_processes_always_get_the_watched_ddp(
     overrides: list[str], watched: bool, tmp_path: Path
 ) -> None:
     cfg = compose_config("train", ["logger=none", "strategy.timeout_s=60", *overrides], tmp_path)
-    strategy = build_trainer(cfg, [], fitting=False).strategy
+    strategy = build_trainer(cfg, [], [], fitting=False).strategy
     assert isinstance(strategy, WatchedDDPStrategy) == watched
     if watched:
         assert strategy._timeout.total_seconds() == 60

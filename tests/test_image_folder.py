@@ -26,23 +26,23 @@ def test_rgb_folders_become_the_contracts_tensors(tmp_path: Path) -> None:
     dm.load()
     assert dm.classes == CLASSES and dm.image_shape == (3, 32, 32)
     assert len(dm.train_set) + len(dm.val_set) == 30 and len(dm.test_set) == 15
-    assert dm.test_set.images.dtype == torch.uint8 and dm.test_set.images.shape == (15, 3, 32, 32)
+    assert dm.test_set.inputs.dtype == torch.uint8 and dm.test_set.inputs.shape == (15, 3, 32, 32)
     # (class, file name) order: index i of the test split is file i of that order.
-    assert dm.test_set.labels.tolist() == [c for c in range(5) for _ in range(3)]
+    assert dm.test_set.targets.tolist() == [c for c in range(5) for _ in range(3)]
     first = torch.from_numpy(
         __import__("numpy").asarray(Image.open(tmp_path / "test/circle/0000.png"))
     )
-    assert torch.equal(dm.test_set.images[0], first.permute(2, 0, 1))
+    assert torch.equal(dm.test_set.inputs[0], first.permute(2, 0, 1))
     assert len(dm.mean) == len(dm.std) == 3 and dm.state_dict()["std"] == dm.std
     batch = dm.test_set.__getitems__([0, 1])
-    assert batch.images.shape == (2, 3, 32, 32) and batch.images.dtype == torch.float32
+    assert batch.inputs.shape == (2, 3, 32, 32) and batch.inputs.dtype == torch.float32
 
 
 def test_grayscale_and_resizing(tmp_path: Path) -> None:
     make_image_folder(tmp_path, n_train=4, n_test=2, size=(40, 20), channels=3)
     dm = datamodule(tmp_path, channels=1, image_size=[16, 8], val_size=5)
     dm.load()
-    assert dm.image_shape == (1, 16, 8) and dm.test_set.images.shape == (10, 1, 16, 8)
+    assert dm.image_shape == (1, 16, 8) and dm.test_set.inputs.shape == (10, 1, 16, 8)
 
 
 @pytest.mark.parametrize(

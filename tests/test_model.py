@@ -41,9 +41,9 @@ def test_loss_mean_does_not_depend_on_batch_size(tiny_root: Path) -> None:
     batch = datamodule.val_set.__getitems__(list(range(VAL_SIZE)))
     model.eval()
     with torch.no_grad():
-        logits = model(batch.images)
-    assert results[0]["val/loss"] == pytest.approx(F.cross_entropy(logits, batch.labels).item())
-    expected_acc = (logits.argmax(1) == batch.labels).float().mean().item()
+        logits = model(batch.inputs)
+    assert results[0]["val/loss"] == pytest.approx(F.cross_entropy(logits, batch.targets).item())
+    expected_acc = (logits.argmax(1) == batch.targets).float().mean().item()
     assert results[0]["val/acc"] == pytest.approx(expected_acc)
 
 

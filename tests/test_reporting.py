@@ -1,14 +1,16 @@
-"""Test figures for any channel count: RGB images are drawn in colour, grayscale in gray."""
+"""The task's test figures for any channel count: RGB images in colour, grayscale in gray."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 from PIL import Image
 
+from src.task.data.images import Normalize
 from src.task.model import ImageClassifier
-from src.template.data import ImageBatches
-from src.template.reporting import save_test_figures
+from src.task.report import figures
+from src.template.data import TensorSplit
 
 
 def test_misclassified_rgb_images_are_drawn_in_colour(tmp_path: Path) -> None:
@@ -19,8 +21,9 @@ def test_misclassified_rgb_images_are_drawn_in_colour(tmp_path: Path) -> None:
     torch.nn.init.zeros_(model.net.classifier[-1].weight)  # equal logits: every image is class 0
     with torch.no_grad():
         model.net.classifier[-1].bias.copy_(torch.tensor([1.0, 0, 0, 0]))
-    data = ImageBatches(images, labels, mean=[0.5] * 3, std=[0.25] * 3)
-    matrix, grid = save_test_figures(model, data, ["a", "b", "c", "d"], tmp_path)
+    split = TensorSplit(images, labels, transform=Normalize([0.5] * 3, [0.25] * 3))
+    data = SimpleNamespace(test_set=split, classes=["a", "b", "c", "d"])
+    matrix, grid = figures(model, data, tmp_path)
     pixels = np.asarray(Image.open(grid).convert("RGB")).astype(int)
     red = (pixels[..., 0] > 200) & (pixels[..., 1] < 60) & (pixels[..., 2] < 60)
     assert red.sum() > 1000, "the six misclassified images are drawn red, as read"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlflow
 import numpy as np
@@ -18,7 +19,8 @@ from mlflow.exceptions import MlflowException
 
 from src.task import nets
 from src.task.data.image_folder import ImageFolderDataModule
-from src.template.serving import MODEL_FOLDER, save_model
+from src.task.export import export
+from src.template.export import MODEL_FOLDER, save_model
 from tests.conftest import PROJECT, local_server_argv, mlflow_server, run_entry, tiny_overrides
 from tests.image_data import make_image_folder
 from tests.test_data import make_module
@@ -33,7 +35,7 @@ def expected(net: torch.nn.Module, datamodule) -> tuple[torch.Tensor, torch.Tens
     """Probabilities and classes as src.predict computes them: the data module's batches."""
     batch = datamodule.test_set.__getitems__(list(range(SHOWN)))
     with torch.no_grad():
-        probabilities = net.eval()(batch.images).softmax(dim=1)
+        probabilities = net.eval()(batch.inputs).softmax(dim=1)
     return probabilities, probabilities.argmax(dim=1)
 
 
@@ -54,15 +56,15 @@ def test_the_saved_model_takes_raw_images_and_loads_without_pickles(
     datamodule.load()
     channels, *size = datamodule.image_shape
     net = nets.build({"name": net_name}, channels, tuple(size), datamodule.num_classes)
-    folder = save_model(net, datamodule, tmp_path / MODEL_FOLDER)
+    folder = save_model(export(SimpleNamespace(net=net), datamodule), tmp_path / MODEL_FOLDER)
 
     files = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
-    assert {"MLmodel", "artifacts/program.pt2", "mlflow_model.py"} <= files
+    assert {"MLmodel", "artifacts/program.pt2", "served_model.py"} <= files
     assert not [name for name in files if name.endswith((".pkl", ".pickle"))], files
     assert "loader_module: mlflow.pyfunc.loaders.code_model" in (folder / "MLmodel").read_text()
 
     model = mlflow.pyfunc.load_model(str(folder))
-    raw = datamodule.test_set.images[:SHOWN]  # uint8 [N, C, H, W]
+    raw = datamodule.test_set.inputs[:SHOWN]  # uint8 [N, C, H, W]
     people_have = raw[:, 0] if channels == 1 else raw  # [N, H, W] for one channel
     rows = model.predict(people_have.numpy())
     probabilities, classes = expected(net, datamodule)
@@ -147,7 +149,7 @@ def test_the_best_job_of_a_sweep_is_registered_and_served(tiny_root: Path, tmp_p
     datamodule = make_module(tiny_root)
     datamodule.prepare_data()
     datamodule.load("test")
-    images = datamodule.test_set.images[:SHOWN, 0].numpy()  # uint8 [N, 28, 28]
+    images = datamodule.test_set.inputs[:SHOWN, 0].numpy()  # uint8 [N, 28, 28]
     classes = predicted_by_src_predict(tmp_path, sweep / best)
     answers = served("models:/best/1", tmp_path, images)
     assert [answer["predicted"] for answer in answers] == classes
@@ -195,7 +197,7 @@ def test_a_ddp_job_logs_one_model_to_a_server_once(tiny_root: Path, tmp_path: Pa
         datamodule = make_module(tiny_root)
         datamodule.prepare_data()
         datamodule.load("test")
-        images = datamodule.test_set.images[:SHOWN, 0].numpy()
+        images = datamodule.test_set.inputs[:SHOWN, 0].numpy()
         mlflow.set_tracking_uri(url)
         try:
             rows = mlflow.pyfunc.load_model("models:/ddp/1").predict(images)

@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 
 from src.template.shutdown import run_lifecycle
 from src.template.tracking import build_loggers, log_config
-from src.template.trainer import build_trainer
+from src.template.trainer import build_callbacks, build_trainer
 from tests.conftest import PROJECT, only_run
 from tests.test_config import compose_config
 
@@ -22,7 +22,8 @@ def test_errors_fail_the_run_and_interrupts_kill_it(tmp_path: Path) -> None:
     cfg = compose_config("train", ["model.lr=0.5"], tmp_path)
     client = MlflowClient(cfg.logger.tracking_uri)
     for error, status in ((RuntimeError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED")):
-        trainer = build_trainer(cfg, build_loggers(cfg), fitting=False)
+        callbacks = build_callbacks(cfg, monitor=None)
+        trainer = build_trainer(cfg, build_loggers(cfg), callbacks, fitting=False)
         with pytest.raises((RuntimeError, SystemExit)) as raised, run_lifecycle(trainer):
             log_config(trainer.loggers, cfg, trainer)
             raise error

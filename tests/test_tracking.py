@@ -5,23 +5,22 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
 from mlflow import MlflowClient
 
+from src.task import TASK
+from src.template.config import flatten
+from src.template.store import TrackingError, artifact_location, prepare_store, without_password
 from src.template.tracking import (
-    TrackingError,
-    artifact_location,
     build_loggers,
-    flatten,
     log_model,
     mask_override,
     mask_secrets,
-    prepare_store,
     run_to_continue,
-    without_password,
 )
 from tests.conftest import (
     PROJECT,
@@ -66,7 +65,7 @@ def test_logger_run_id_names_a_run_of_the_store(tmp_path: Path) -> None:
 def test_jobs_starting_together_on_a_fresh_store_all_get_it(tmp_path: Path) -> None:
     # A sweep's SLURM jobs start at once: each job's rank 0 prepares the same fresh store.
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    script = f"from src.template.tracking import prepare_store; prepare_store({uri!r}, 'mnist')"
+    script = f"from src.template.store import prepare_store; prepare_store({uri!r}, 'mnist')"
     env = {**os.environ, "PYTHONPATH": str(PROJECT)}
     jobs = [
         subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
@@ -139,7 +138,8 @@ def test_a_network_that_cannot_be_exported_costs_a_warning_not_the_job(
     datamodule.load("test")
     out = Path(cfg.paths.output_dir)
     with pytest.warns(UserWarning, match="not logged as an MLflow model: exporting it failed"):
-        log_model(loggers, cfg.logger, DataDependent(), datamodule, out, step=1)
+        model = SimpleNamespace(net=DataDependent())
+        log_model(loggers, cfg.logger, TASK, model, datamodule, out, step=1, metrics=[])
     assert list(out.iterdir()) == [], "no model folder, no staging folder left"
 
 

@@ -1,3 +1,25 @@
-"""Yours: what a forker edits. Datasets (``data/``), networks (``nets/``) and the
-LightningModule (``model.py``). The template's machinery (``src/template/``) never imports this
-package; the entry points hand these to it."""
+"""Yours: what a forker edits. Datasets (``data/``), networks (``nets/``), the LightningModule
+(``model.py``), what the served model is (``export.py``) and what is reported (``report.py``).
+
+``TASK`` is the one contract with the template's machinery (``src/template/task.py``): the entry
+points hand it over, and the machinery never imports this package. Another kind of task (a
+regression, segmentation, text) is another ``TASK``, not a machinery edit.
+"""
+
+from src.task import export, model, report
+from src.task.data import DATAMODULES
+from src.task.nets import UnknownNetwork
+from src.template.task import Task
+
+TASK = Task(
+    datamodules=DATAMODULES,
+    model_class=model.ImageClassifier,
+    build_model=model.build,
+    config_targets=model.config_targets,
+    monitor="val/acc",
+    mode="max",
+    errors=(UnknownNetwork,),
+    export=export.export,
+    figures=report.figures,
+    predictions=report.predictions,
+)

@@ -4,6 +4,7 @@ Every reported number comes from a torchmetrics state, so under DDP it is synced
 ``compute()`` (sums of per-sample values and counts) instead of averaging per-rank means.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as L
@@ -14,6 +15,7 @@ from torchmetrics import MaxMetric, MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from src.task import nets
+from src.task.data.images import ImageDataModule
 from src.template.data import Batch
 
 
@@ -82,14 +84,14 @@ class ImageClassifier(L.LightningModule):
         self.net.to(memory_format=self.memory_format)  # channels_last: NHWC kernels on GPU
 
     def _step(self, batch: Batch, stage: str) -> torch.Tensor:
-        logits = self(batch.images)
-        losses = F.cross_entropy(logits, batch.labels, reduction="none")
+        logits = self(batch.inputs)
+        losses = F.cross_entropy(logits, batch.targets, reduction="none")
         metrics = getattr(self, f"{stage}_metrics")
         metrics["loss"].update(losses.detach())
-        metrics["acc"].update(logits.detach(), batch.labels)
+        metrics["acc"].update(logits.detach(), batch.targets)
         # A device tensor (a fill, no copy): a Python int would be copied host-to-device per step.
         metrics["samples"].update(
-            batch.labels.new_full((), batch.labels.numel(), dtype=torch.float)
+            batch.targets.new_full((), batch.targets.numel(), dtype=torch.float)
         )
         for name, metric in metrics.items():
             # Metric objects are computed (and synced across ranks) once, at epoch end.
@@ -134,21 +136,12 @@ class ImageClassifier(L.LightningModule):
         )
 
     def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
-        confidence, predicted = self(batch.images).softmax(dim=1).max(dim=1)
+        confidence, predicted = self(batch.inputs).softmax(dim=1).max(dim=1)
         return {
             "index": batch.indices,
-            "label": batch.labels,
+            "label": batch.targets,
             "predicted": predicted,
             "confidence": confidence,
-        }
-
-    @staticmethod
-    def config_targets(net: dict[str, Any]) -> dict[str, tuple[Any, tuple[str, ...]]]:
-        """What each config section is passed to, and the keys set from the data instead: how
-        the template checks a config or a checkpoint's hyperparameters against this code."""
-        return {
-            "model": (ImageClassifier, ImageClassifier.SET_BY_DATA),
-            "model.net": (nets.net_class(net.get("name", nets.DEFAULT)), nets.SET_BY_DATA),
         }
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -163,3 +156,18 @@ class ImageClassifier(L.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"},
         }
+
+
+def build(model: dict[str, Any], data: ImageDataModule) -> ImageClassifier:
+    """The ``model`` config section, for the data's image shape and classes."""
+    return ImageClassifier(num_classes=data.num_classes, image_shape=data.image_shape, **model)
+
+
+def config_targets(model: Mapping[str, Any]) -> dict[str, tuple[Any, tuple[str, ...]]]:
+    """What each config section is passed to, and the keys set from the data instead: how the
+    machinery checks a config or a checkpoint's hyperparameters against this code."""
+    net = model.get("net") or {}
+    return {
+        "model": (ImageClassifier, ImageClassifier.SET_BY_DATA),
+        "model.net": (nets.net_class(net.get("name", nets.DEFAULT)), nets.SET_BY_DATA),
+    }

@@ -1,42 +1,33 @@
-"""Checkpoints: written atomically, checked before a job relies on one, resumed exactly.
+"""Checkpoint files: written atomically, kept (best and last), checked before a job relies on one.
 
 * :class:`AtomicCheckpointIO` writes every ``.ckpt`` to a temporary file beside its target,
   syncs it and renames it over the target: a crash, SIGKILL or full disk leaves the previous
   file whole. (Lightning's default stages the file in the system temp folder and moves it,
   which is a plain copy when that folder is on another filesystem.)
-* :func:`read_checkpoint` and :func:`check_fits` refuse a missing file, a file that is not a
-  training checkpoint, or one of another dataset or network shape before any work starts,
-  naming the layer or the config keys that differ.
 * :class:`BestCheckpoint` keeps the best checkpoint so far when a run resumes into a new output
   folder (Lightning forgets it there, and would call the first resumed epoch the best).
-* :class:`SeedEachBatch` makes the randomness of every training step (dropout) a function of
-  (seed, epoch, batch, rank), so a run resumed from a checkpoint draws exactly what an
-  uninterrupted run draws, with no per-rank generator state to gather and store.
-* Mid-epoch checkpoints (a stop signal, ``max_steps``, ``every_n_train_steps``) are written at
-  a training step's end, the point Lightning resumes from; :class:`MidEpochState` adds the
-  epoch's metric sums so far, and :func:`resume_position` tells the sampler where to go on.
+* :class:`LastCheckpoint` writes ``last.ckpt`` at epoch ends and mid-epoch, at a training step's
+  end (the point Lightning resumes from).
+* :func:`read_checkpoint` and :func:`check_fits` refuse a missing file, a file that is not a
+  training checkpoint, or one of other data or another model shape before any work starts,
+  naming the layer or the config keys that differ.
 """
 
-import inspect
 import os
-import random
 import shutil
-import tempfile
-import warnings
-from collections.abc import Callable, Iterable, Mapping
+import uuid
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
-import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
-from torchmetrics import Metric
 
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
+from src.template.config import flatten
+from src.template.resume import epoch_finished
 
 
 class CheckpointError(ValueError):
@@ -53,16 +44,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        # os.open applies the umask to 0o666, as open() does for the final file.
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             with os.fdopen(fd, "wb") as file:
                 torch.save(checkpoint, file)
                 file.flush()
                 os.fsync(file.fileno())
-            os.chmod(temp, 0o666 & ~_UMASK)  # mkstemp creates 0600
             os.replace(temp, path)
         except BaseException:
-            Path(temp).unlink(missing_ok=True)
+            temp.unlink(missing_ok=True)
             raise
         folder = os.open(path.parent, os.O_RDONLY)
         try:
@@ -146,92 +138,6 @@ def save_last(trainer: L.Trainer) -> None:
             callback.save_now(trainer)
 
 
-def epoch_finished(trainer: L.Trainer) -> bool:
-    """Whether every training batch of the current epoch has been trained."""
-    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-    return done >= trainer.num_training_batches
-
-
-def resume_position(trainer: L.Trainer | None) -> tuple[int, int]:
-    """(epoch, training batches of it already done) where fitting starts, read from Lightning's
-    loop state (restored from the checkpoint before the train loader is built)."""
-    if trainer is None:
-        return 0, 0
-    epochs = trainer.fit_loop.epoch_progress.current
-    if epochs.started > epochs.processed:  # the checkpoint was written mid-epoch
-        return epochs.processed, trainer.fit_loop.epoch_loop.batch_progress.current.processed
-    return epochs.processed, 0
-
-
-# Lightning asks for a loader with state_dict() to resume mid-epoch; the sampler resumes from
-# Lightning's own loop state instead (resume_position), which makes the warning wrong here.
-warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before")
-
-
-class MidEpochState(Callback):
-    """The epoch's metric sums so far, in checkpoints written mid-epoch.
-
-    Lightning restores weights and loops but not torchmetrics states, which are per rank and
-    not persistent: a job resumed mid-epoch would report that epoch over its remaining batches
-    only. At a mid-epoch save the states are reduced over ranks (one collective, at the save);
-    on resume rank 0 holds the reduced states and the other ranks start empty, so the epoch-end
-    ``compute()`` gives the uninterrupted value (up to float summation order). Exact for states
-    reduced by sum, max, min or concatenation (torchmetrics' built-in metrics).
-    """
-
-    def __init__(self) -> None:
-        self.loaded: dict[str, dict[str, Any]] = {}
-
-    @staticmethod
-    def _metrics(pl_module: L.LightningModule) -> dict[str, Metric]:
-        return {
-            name: module
-            for name, module in pl_module.named_modules()
-            if isinstance(module, Metric) and set(module.metric_state) - set(module.state_dict())
-        }
-
-    def on_save_checkpoint(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        epochs = trainer.fit_loop.epoch_progress.current
-        if trainer.state.fn != "fit" or epochs.started <= epochs.processed:
-            return  # only a mid-epoch checkpoint needs them
-        states = {}
-        for name, metric in self._metrics(pl_module).items():
-            with metric.sync_context():
-                states[name] = {key: detach_to_cpu(v) for key, v in metric.metric_state.items()}
-        checkpoint["mid_epoch_metric_states"] = states
-
-    def on_load_checkpoint(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        self.loaded = checkpoint.get("mid_epoch_metric_states", {})
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        metrics = self._metrics(pl_module)
-        for name, states in self.loaded.items():
-            if name not in metrics:
-                continue
-            metric = metrics[name]
-            metric.reset()
-            if trainer.global_rank == 0:  # the reduced sums count once
-                for key, value in states.items():
-                    setattr(metric, key, to_device(value, metric.device))
-        self.loaded = {}
-
-
-def detach_to_cpu(value: Any) -> Any:
-    if isinstance(value, list):
-        return [item.detach().cpu() for item in value]
-    return value.detach().cpu()
-
-
-def to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, list):
-        return [item.to(device) for item in value]
-    return value.to(device)
-
-
 def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:
     """The contents of a checkpoint written by ``src.train``, or a one-line reason it is not."""
     if not ckpt_path:
@@ -294,7 +200,7 @@ def check_weights_fit(
     hparams: Mapping[str, Any],
 ) -> None:
     """Name the first tensor that is missing, unexpected or of another shape, and the config
-    keys of the network that explain it."""
+    keys of the model that explain it."""
     found = saved["state_dict"]
     problem = next(
         (
@@ -311,74 +217,14 @@ def check_weights_fit(
         problem = f"tensors missing: {missing[:3]}, not in this model: {unexpected[:3]}"
     if problem is None:
         return
-    theirs = saved.get("hyper_parameters", {}).get("net", {})
-    ours = hparams.get("net", {})
+    theirs, ours = flatten(saved.get("hyper_parameters", {})), flatten(hparams)
     differing = [
-        f"model.net.{key}={theirs[key]} (here {ours.get(key)})"
+        f"model.{key}={theirs[key]} (here {ours[key]})"
         for key in theirs
-        if key in ours and theirs[key] != ours[key]
+        if key in ours and plain(theirs[key]) != plain(ours[key])
     ]
     hint = f"; the checkpoint was trained with {', '.join(differing)}" if differing else ""
     raise CheckpointError(f"{name} does not fit this model: {problem}{hint}")
-
-
-def model_from_checkpoint(
-    saved: Mapping[str, Any], name: str, model_class: type[L.LightningModule]
-) -> L.LightningModule:
-    """Rebuild the trained model from a checkpoint's own hyperparameters (the network included:
-    its name is one of them).
-
-    A checkpoint from an older config may lack keys added since: they take today's defaults
-    (with a warning naming them). Keys this code no longer knows, or a missing key that has no
-    default, are refused by name. ``model_class.config_targets`` says what to compare against.
-    """
-    hparams = dict(saved.get("hyper_parameters", {}))
-    unknown, missing, defaulted = [], [], []
-    for section, (target, set_by) in model_class.config_targets(hparams.get("net", {})).items():
-        values = hparams if section == "model" else hparams.get(section.split(".", 1)[1], {})
-        prefix = section.removeprefix("model").lstrip(".")
-        found = compare_keys(values, target, f"{prefix}." if prefix else "", set_by)
-        unknown, missing, defaulted = unknown + found[0], missing + found[1], defaulted + found[2]
-    problems = [f"keys this code does not know: {', '.join(unknown)}"] if unknown else []
-    problems += [f"keys it lacks: {', '.join(missing)}"] if missing else []
-    if problems:
-        raise CheckpointError(
-            f"{name} was saved by a different version of the model: {'; '.join(problems)}. "
-            "Load it with the code version that wrote it (its git.commit tag in MLflow)"
-        )
-    if defaulted:
-        warnings.warn(
-            f"{name} predates config keys {', '.join(defaulted)}: they take today's defaults",
-            stacklevel=2,
-        )
-    model = model_class(**hparams)
-    # Only the network's tensors matter for inference (metric states may be newer or older).
-    network = {key: value for key, value in model.state_dict().items() if key.startswith("net.")}
-    weights = {key: value for key, value in saved["state_dict"].items() if key.startswith("net.")}
-    check_weights_fit({**saved, "state_dict": weights}, network, name, model.hparams)
-    model.load_state_dict(weights, strict=False)
-    return model
-
-
-def compare_keys(
-    values: Mapping[str, Any], target: Callable, prefix: str, set_by_data: tuple[str, ...]
-) -> tuple[list[str], list[str], list[str]]:
-    """(unknown, missing without default, missing with default) keys of ``target``'s init;
-    ``name`` (which network) and keys set from the data are not config keys of ``target``."""
-    parameters = dict(inspect.signature(target).parameters)
-    parameters.pop("self", None)
-    for key in set_by_data:
-        parameters.pop(key, None)
-    unknown = [prefix + key for key in values if key not in parameters and key != "name"]
-    unknown = [key for key in unknown if key.removeprefix(prefix) not in set_by_data]
-    absent = [key for key in parameters if key not in values]
-    missing = [prefix + key for key in absent if parameters[key].default is inspect.Parameter.empty]
-    defaulted = [
-        f"{prefix}{key}={parameters[key].default}"
-        for key in absent
-        if parameters[key].default is not inspect.Parameter.empty
-    ]
-    return unknown, missing, defaulted
 
 
 def plain(value: Any) -> Any:
@@ -395,80 +241,3 @@ def data_differences(
         for key in keys
         if key in trained and plain(trained[key]) != plain(current[key])
     ]
-
-
-def data_for_inference(
-    saved: Mapping[str, Any],
-    data: Mapping[str, Any],
-    typed: set[str],
-    data_class: Callable[[str], type],
-    name: str,
-) -> dict[str, Any]:
-    """The data settings eval and predict use: the checkpoint's (what the data is and where it
-    was), except the keys the command typed (``data.root=...``, ``data.batch_size=...``). A
-    typed key that changes what the data is (``CONTENT_KEYS``: image size, channels, the
-    validation split, ...) is refused: the model was trained on the checkpoint's."""
-    trained = saved.get("datamodule_hyper_parameters")
-    if not trained:  # written before checkpoints held their data settings
-        return dict(data)
-    if typed & {"", "name"}:  # the command chose a dataset: it must be the checkpoint's
-        check_dataset(saved, data["name"], name)
-    typed_content = [k for k in data_class(trained["name"]).CONTENT_KEYS if k in typed]
-    differing = data_differences(trained, data, typed_content)
-    if differing:
-        raise CheckpointError(
-            f"{name} was trained with {', '.join(differing)}; eval and predict use the "
-            "checkpoint's data settings: leave these out"
-        )
-    # Keys newer than the checkpoint come from the command's config of the same dataset.
-    base = dict(data) if data.get("name") == trained["name"] else {}
-    return {**base, **trained, **{key: data[key] for key in typed if key in data}}
-
-
-def load_for_inference(
-    ckpt_path: str | None,
-    data: Mapping[str, Any],
-    typed: set[str],
-    data_class: Callable[[str], type],
-    model_class: type[L.LightningModule],
-) -> tuple[L.LightningModule, L.LightningDataModule, dict[str, str] | None]:
-    """The checkpoint's model, a data module with the checkpoint's data settings (see
-    :func:`data_for_inference`; ``typed``: the ``data`` keys the command set) and the MLflow
-    run the checkpoint came from, if it was tracked.
-
-    Checkpoints hold plain values only, so they load with ``weights_only=True``.
-    """
-    saved = read_checkpoint(ckpt_path)
-    name = Path(ckpt_path).name
-    values = data_for_inference(saved, data, typed, data_class, name)
-    model = model_from_checkpoint(saved, name, model_class)
-    datamodule = data_class(values["name"])(**values)
-    # Lightning saves the DataModule's state under its class name (here: its normalisation).
-    datamodule.load_state_dict(saved.get(type(datamodule).__qualname__, {}))
-    return model, datamodule, saved.get("mlflow")
-
-
-class SeedEachBatch(Callback):
-    """Seeds python, numpy and torch before every training step from (seed, epoch, batch, rank).
-
-    The seed travels in the checkpoint, so a resumed run continues the same streams even when
-    the first run drew its seed at random (``seed=null``). Ranks draw different dropout masks.
-    """
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        entropy = [self.seed, trainer.current_epoch, batch_idx, trainer.global_rank]
-        step_seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
-        random.seed(step_seed)
-        np.random.seed(step_seed)
-        torch.manual_seed(step_seed)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.seed = state_dict["seed"]

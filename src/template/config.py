@@ -8,13 +8,10 @@ valid. :func:`check_keys` checks what YAML cannot know: that a section added to 
 
 import difflib
 import inspect
-import logging
-import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
-from unittest import mock
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
@@ -22,7 +19,9 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException as C
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from src.template.environment import environment
 from src.template.reporting import show_error
+from src.template.sweeps import register_resolvers
 
 
 def run_entry_point(main: Callable[[], Any], expected: tuple[type[Exception], ...]) -> None:
@@ -33,7 +32,8 @@ def run_entry_point(main: Callable[[], Any], expected: tuple[type[Exception], ..
     (:func:`src.reporting.short_errors`); a sweep re-raises its first failed job's error after
     running every job, and it ends here, as one line too.
     """
-    with mock.patch.dict(os.environ, {"HYDRA_FULL_ERROR": "1"}):
+    register_resolvers()
+    with environment(HYDRA_FULL_ERROR="1"):
         try:
             main()
         except (HydraException, OmegaConfBaseException) as error:
@@ -126,18 +126,6 @@ def as_config_error(section: str) -> Iterator[None]:
         raise ConfigError(f"{section} settings refused: {reason}") from error
 
 
-@contextmanager
-def quiet(logger_name: str) -> Iterator[None]:
-    """Silence a logger's INFO lines (e.g. Lightning's hardware summary of a trial build)."""
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def check_choice(key: str, value: Any, choices: Iterable[Any]) -> None:
     choices = list(choices)
     if value not in choices:
@@ -165,3 +153,13 @@ def typed_keys(section: str) -> set[str]:
         elif key.startswith(f"{section}."):
             keys.add(key.removeprefix(f"{section}.").split(".")[0])
     return keys
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"model": {"lr": 0.1}}`` → ``{"model.lr": 0.1}``: the keys people type as overrides."""
+    if isinstance(tree, Mapping):
+        flat: dict[str, Any] = {}
+        for key, value in tree.items():
+            flat.update(flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix.rstrip("."): tree}

@@ -1,107 +1,31 @@
-"""Everything rank-aware in one place: the strategy, and the samplers that make results
-independent of the number of processes.
-
-* Evaluation: every sample exactly once. Lightning's default sampler pads val/test/predict
-  with duplicates so ranks get equal shares (10,000 test samples on 3 ranks evaluate 10,002);
-  :class:`UnpaddedSampler` gives ranks shares that differ by at most one sample instead.
-  Metric states are then summed across ranks in ``compute()``, so the numbers are exact.
-* Training: the same global batches for any world size. :class:`GlobalBatchSampler` draws one
-  permutation per epoch from the seed alone and gives each rank its slice of every global
-  batch, so ``devices=1`` and ``devices=4`` see the same batches in the same order.
-
-Both subclass ``DistributedSampler``, which tells Lightning to leave them in place.
+"""Everything rank-aware about processes: the DDP strategy and its watched launcher, how many
+processes a job asks for and who started them, device checks, per-rank logs, and leaving
+nothing distributed behind. (The samplers that make results independent of the number of
+processes live with the data: :mod:`src.template.data`, :mod:`src.template.resume`.)
 """
 
-import json
 import logging
 import os
-import shlex
-import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import lightning.pytorch as L
 import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, Strategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities import rank_zero_warn
-from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import Dataset, DistributedSampler
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from src.template.private import SubprocessScriptLauncher, set_num_threads_if_needed
 from src.template.shutdown import LAUNCHER_PID_ENV, RankWatchdog, watch_launcher
 
 log = logging.getLogger(__name__)
-
-
-class UnpaddedSampler(DistributedSampler):
-    """Rank ``r`` of ``w`` evaluates samples ``r, r + w, r + 2w, ...``: none padded or dropped."""
-
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
-        self.total_size = len(dataset)
-        self.num_samples = len(range(rank, self.total_size, num_replicas))
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.total_size, self.num_replicas))
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-
-class GlobalBatchSampler(DistributedSampler):
-    """Shuffles with ``seed + epoch`` and cuts the permutation into global batches of
-    ``global_batch_size``; rank ``r`` takes the ``r``-th of ``num_replicas`` equal parts of each.
-
-    The last incomplete global batch is dropped, so every rank runs the same number of equal
-    steps and the averaged DDP gradient is the gradient of the global batch.
-
-    :meth:`resume_at` makes a job resumed mid-epoch draw only the batches that epoch had left.
-    Lightning creates the first iterator (and loader workers prefetch from it) before it calls
-    ``set_epoch``, so a resumed job sets the epoch here, when the loader is built.
-    """
-
-    def __init__(
-        self, dataset: Dataset, num_replicas: int, rank: int, global_batch_size: int, seed: int
-    ) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        if global_batch_size % num_replicas:
-            raise ValueError(f"global batch {global_batch_size} does not split over {num_replicas}")
-        self.global_batch_size = global_batch_size
-        self.local_batch_size = global_batch_size // num_replicas
-        self.num_batches = len(dataset) // global_batch_size
-        if self.num_batches == 0:
-            raise ValueError(
-                f"data.batch_size={global_batch_size} is larger than the {len(dataset)} "
-                "training samples; lower it"
-            )
-        self.num_samples = self.num_batches * self.local_batch_size
-        self.total_size = self.num_batches * global_batch_size
-        self.resume_epoch, self.batches_done = 0, 0
-
-    def resume_at(self, epoch: int, batches_done: int) -> None:
-        """Start at ``epoch``, whose first ``batches_done`` global batches were trained."""
-        self.set_epoch(epoch)
-        self.resume_epoch, self.batches_done = epoch, batches_done
-
-    def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=generator)[: self.total_size]
-        shares = order.view(self.num_batches, self.num_replicas, self.local_batch_size)
-        skip = self.batches_done if self.epoch == self.resume_epoch else 0
-        return iter(shares[skip:, self.rank].reshape(-1).tolist())
-
-    def __len__(self) -> int:
-        return self.num_samples
 
 
 def build_strategy(cfg: DictConfig, processes: int) -> str | Strategy:
@@ -160,14 +84,6 @@ def srun_starts_ranks(processes: int) -> bool:
     return SLURMEnvironment.detect() and os.environ.get("SLURM_NTASKS") == str(processes)
 
 
-def gpus_for(accelerator: str, devices: Any) -> int:
-    """GPUs per node to ask a scheduler for: one per device, none with ``accelerator=cpu``."""
-    return 0 if accelerator == "cpu" else int(devices)
-
-
-OmegaConf.register_new_resolver("gpus_for", gpus_for, replace=True)  # conf/hydra/launcher/slurm
-
-
 def uses_gpu(accelerator: str) -> bool:
     """Whether ``accelerator`` means GPUs here: named, or ``auto`` on a machine that has one."""
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
@@ -182,14 +98,14 @@ class WatchedDDPStrategy(DDPStrategy):
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if type(self._launcher) is _SubprocessScriptLauncher:
+        if type(self._launcher) is SubprocessScriptLauncher:
             self._launcher = WatchedLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes,
                 watch_s=self.watch_s, exit_grace_s=self.exit_grace_s,
             )  # fmt: skip
 
 
-class WatchedLauncher(_SubprocessScriptLauncher):
+class WatchedLauncher(SubprocessScriptLauncher):
     """Starts ranks 1..N-1 like Lightning (re-running the command), then watches them.
 
     Lightning has no public hook for this: it subclasses its private launcher, whose ``launch``
@@ -215,7 +131,7 @@ class WatchedLauncher(_SubprocessScriptLauncher):
         elif os.environ.get(LAUNCHER_PID_ENV, me) != me and not self.watching_launcher:
             watch_launcher(self.watch_s)  # a rank process: leave if the launcher is gone
             self.watching_launcher = True
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kw)
 
 
@@ -265,13 +181,13 @@ def check_devices(accelerator: str, devices: Any, num_nodes: Any) -> None:
         )
 
 
-def use_sync_batchnorm(cfg: DictConfig) -> bool:
+def use_sync_batchnorm(wanted: bool, model: nn.Module, accelerator: str) -> bool:
     """``strategy.sync_batchnorm`` where it can apply; where it cannot, a warning, never a crash."""
-    if not cfg.strategy.sync_batchnorm:
+    if not wanted:
         return False
-    if not cfg.model.net.get("batch_norm", True):
-        reason = "the model has no BatchNorm layers (model.net.batch_norm=false)"
-    elif not uses_gpu(cfg.accelerator):
+    if not any(isinstance(module, _BatchNorm) for module in model.modules()):
+        reason = "the model has no BatchNorm layers"
+    elif not uses_gpu(accelerator):
         reason = (
             "torch's SyncBatchNorm runs on GPUs only; on CPU each rank keeps its own statistics"
         )
@@ -285,64 +201,24 @@ class LogRankSetup(Callback):
     """Each rank writes what it really runs with to its own log (Hydra gives every rank a file):
     the proof, after the fact, that ranks agree on hyperparameters and do not oversubscribe."""
 
+    def __init__(self, monitor: str) -> None:
+        self.monitor = monitor
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         backend = getattr(trainer.strategy, "process_group_backend", None) or "none"
-        datamodule = trainer.datamodule
         log.info(
-            "rank %d/%d (node %d, local %d) %s: backend %s, %d CPU threads, lr %s, "
-            "per-device batch %s",
-            trainer.global_rank,
-            trainer.world_size,
-            trainer.node_rank,
-            trainer.local_rank,
-            getattr(stage, "value", stage),
-            backend,
-            torch.get_num_threads(),
-            pl_module.hparams.get("lr"),
-            getattr(datamodule, "per_device_batch_size", None),
-        )
+            "rank %d/%d (node %d, local %d) %s: backend %s, %d CPU threads, per-device batch %s, "
+            "hyperparameters %s",
+            trainer.global_rank, trainer.world_size, trainer.node_rank, trainer.local_rank,
+            getattr(stage, "value", stage), backend, torch.get_num_threads(),
+            getattr(trainer.datamodule, "per_device_batch_size", None), dict(pl_module.hparams),
+        )  # fmt: skip
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        best = trainer.callback_metrics.get("val/acc_best")
-        if best is not None:
-            log.info("rank %d/%d: val/acc_best %.6f", trainer.global_rank, trainer.world_size, best)
-
-
-class SweepJobFailed(RuntimeError):
-    """A sweep's DDP job, run as its own process tree, failed (it printed why)."""
-
-
-SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep id>/<job number>" for a sweep's DDP job
-
-
-def in_multirun() -> bool:
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:
-    """Run this multirun job as a fresh single-run process tree; return its optimized metric.
-
-    Lightning starts DDP ranks 1..N-1 by re-running the command line, which in a multirun is the
-    whole sweep, and it watches them from a thread that SIGKILLs the launching process when a
-    rank fails. Both are right for one job and wrong for a sweep that runs job after job in one
-    process. So a DDP job of a sweep is started as its own command: this job's overrides, in
-    this job's folder. Its ranks train exactly this job's hyperparameters, a failure ends only
-    this job, and no process group or launch variable outlives it.
-    """
-    import __main__
-
-    hydra = HydraConfig.get()
-    out = Path(hydra.runtime.output_dir)
-    command = [sys.executable, "-m", __main__.__spec__.name, *hydra.overrides.task]
-    command.append(f"hydra.run.dir={out}")
-    env = {**os.environ, SWEEP_JOB_ENV: f"{Path(hydra.sweep.dir).name}/{hydra.job.num}"}
-    log.info(
-        "sweep job %s runs as its own DDP process tree: %s", hydra.job.num, shlex.join(command)
-    )
-    code = subprocess.run(command, env=env).returncode
-    if code != 0:
-        raise SweepJobFailed(f"sweep job {hydra.job.num} exited with code {code}; see {out}")
-    return json.loads((out / "metrics.json").read_text()).get(optimized_metric)
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is not None:
+            log.info("rank %d/%d: %s %.6f", trainer.global_rank, trainer.world_size, self.monitor,
+                     value)  # fmt: skip
 
 
 @contextmanager
@@ -354,10 +230,12 @@ def job_scope() -> Iterator[None]:
     """
     threads = torch.get_num_threads()
     separate_rank_log()
+    environment = dict(os.environ)
     try:
-        with mock.patch.dict(os.environ):  # restores os.environ as it was on exit
-            yield
+        yield
     finally:
+        os.environ.clear()
+        os.environ.update(environment)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         torch.set_num_threads(threads)

@@ -15,7 +15,6 @@ its run is a ``create_run`` record under a placeholder id, and ``src.sync`` crea
 SQLite stores are written directly: a local file has no outages.
 """
 
-import base64
 import fcntl
 import json
 import logging
@@ -41,7 +40,7 @@ WRITES: dict[str, tuple[str, ...]] = {
     "set_terminated": ("status", "end_time"),
     "log_artifact": ("local_path", "artifact_path"),
     "log_inputs": ("datasets", "models"),
-    "log_model": ("folder", "step", "key", "registered_name"),  # see src/template/serving.py
+    "log_model": ("folder", "step", "key", "registered_name", "metrics"),  # see export.py
 }
 # For a caller that must know within seconds whether the server answers (the job's start-up
 # check, src.sync), instead of after MLflow's minutes of retries: one retry, 30 s per request
@@ -78,6 +77,7 @@ def encode(method: str, run_id: str, **kwargs: Any) -> dict[str, Any]:
         record["folder"] = str(Path(kwargs["folder"]).resolve())
         record["step"], record["key"] = kwargs["step"], kwargs["key"]
         record["registered_name"] = kwargs.get("registered_name")
+        record["metrics"] = list(kwargs.get("metrics") or ())
     elif method == "create_run":
         record["experiment_name"], record["run_name"] = (
             kwargs["experiment_name"],
@@ -86,9 +86,12 @@ def encode(method: str, run_id: str, **kwargs: Any) -> dict[str, Any]:
         record["tags"], record["start_time"] = kwargs["tags"], int(time.time() * 1000)
     elif method == "log_inputs":
         record["datasets"] = [
-            base64.b64encode(d.to_proto().SerializeToString()).decode()
+            {
+                "name": d.dataset.name, "digest": d.dataset.digest, "source": d.dataset.source,
+                "source_type": d.dataset.source_type, "tags": {t.key: t.value for t in d.tags},
+            }
             for d in kwargs.get("datasets") or ()
-        ]
+        ]  # fmt: skip
     else:
         raise ValueError(f"the outbox does not carry {method}")
     return record
@@ -118,8 +121,7 @@ def create_run(client: Any, record: dict[str, Any]) -> str:
 
 def send(client: Any, record: dict[str, Any]) -> None:
     """Make the client call a record stands for."""
-    from mlflow.entities import DatasetInput, Metric, Param, RunTag
-    from mlflow.protos.service_pb2 import DatasetInput as DatasetInputProto
+    from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 
     method, run_id = record["method"], record["run_id"]
     if method == "log_batch":
@@ -138,13 +140,19 @@ def send(client: Any, record: dict[str, Any]) -> None:
     elif method == "log_artifact":
         client.log_artifact(run_id, record["local_path"], record["artifact_path"])
     elif method == "log_model":
-        from src.template.serving import log_model
+        from src.template.export import log_model
 
         log_model(client.tracking_uri, run_id, Path(record["folder"]), record["step"],
-                  record["key"], record["registered_name"])  # fmt: skip
+                  record["key"], record["registered_name"], record.get("metrics", ()))  # fmt: skip
     elif method == "log_inputs":
-        protos = [DatasetInputProto.FromString(base64.b64decode(d)) for d in record["datasets"]]
-        client.log_inputs(run_id, datasets=[DatasetInput.from_proto(p) for p in protos])
+        datasets = [
+            DatasetInput(
+                Dataset(d["name"], d["digest"], d["source_type"], d["source"]),
+                [InputTag(key, value) for key, value in d["tags"].items()],
+            )
+            for d in record["datasets"]
+        ]
+        client.log_inputs(run_id, datasets=datasets)
 
 
 def refused(error: Exception) -> bool:

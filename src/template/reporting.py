@@ -5,7 +5,7 @@ import csv
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.tree import Tree
 
-from src.template.data import ImageBatches
-from src.template.distributed import in_multirun
+from src.template.sweeps import in_multirun
+from src.template.task import Task
 
 console = Console()
 errors = Console(stderr=True)
@@ -122,6 +122,12 @@ def show_config(cfg: DictConfig) -> None:
 
 
 @rank_zero_only
+def figures(task: Task, model: L.LightningModule, datamodule: Any, out_dir: Path) -> list[Path]:
+    """The task's figures of the test split (rank 0, after testing); their paths."""
+    return task.figures(model, datamodule, out_dir) if task.figures else []
+
+
+@rank_zero_only
 def report_metrics(metrics: Mapping[str, float], output_dir: str | Path) -> None:
     """Print a results table and write ``metrics.json``: a flat object of final metric values."""
     table = Table("metric", "value", title="Results")
@@ -136,13 +142,15 @@ def report_metrics(metrics: Mapping[str, float], output_dir: str | Path) -> None
 class PredictionWriter(BasePredictionWriter):
     """Writes all ranks' predictions as one CSV in dataset order.
 
-    Each rank saves its share beside the CSV; after a barrier rank 0 merges them. Under
-    multi-node runs the output folder must be on a filesystem every node can reach.
+    ``predict_step`` returns a dict of 1-D tensors with an ``index`` column; each rank saves its
+    share beside the CSV and, after a barrier, rank 0 merges them, sorts by ``index`` and lets
+    ``columns`` (the task's) turn them into the CSV's columns and metrics. Under multi-node runs
+    the output folder must be on a filesystem every node can reach.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, columns: Callable | None, datamodule: Any) -> None:
         super().__init__(write_interval="epoch")
-        self.path = path
+        self.path, self.columns, self.datamodule = path, columns, datamodule
         self.metrics: dict[str, float] = {}
 
     def _shard(self, rank: int) -> Path:
@@ -156,109 +164,23 @@ class PredictionWriter(BasePredictionWriter):
         batch_indices: Sequence[Any],
     ) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        columns = {key: torch.cat([p[key] for p in predictions]).cpu() for key in COLUMNS}
+        columns = {key: torch.cat([p[key] for p in predictions]).cpu() for key in predictions[0]}
         torch.save(columns, self._shard(trainer.global_rank))
         trainer.strategy.barrier("predictions_written")
         if trainer.is_global_zero:
             shards = [self._shard(rank) for rank in range(trainer.world_size)]
             parts = [torch.load(shard, weights_only=True) for shard in shards]
-            merged = {key: torch.cat([part[key] for part in parts]) for key in COLUMNS}
-            self.metrics = write_predictions(merged, self.path)
+            order = torch.cat([part["index"] for part in parts]).argsort()
+            merged = {key: torch.cat([part[key] for part in parts])[order] for key in columns}
+            table, self.metrics = (
+                self.columns(merged, self.datamodule)
+                if self.columns
+                else ({key: value.tolist() for key, value in merged.items()}, {})
+            )
+            with self.path.open("w", newline="") as file:
+                writer = csv.writer(file)
+                writer.writerow(table)
+                writer.writerows(zip(*table.values(), strict=True))
+            console.print(f"predictions written to {self.path}", soft_wrap=True)
             for shard in shards:
                 shard.unlink()
-
-
-COLUMNS = ("index", "label", "predicted", "confidence")
-
-
-def write_predictions(columns: Mapping[str, torch.Tensor], path: Path) -> dict[str, float]:
-    """Write prediction columns as a CSV sorted by sample index; return count and accuracy."""
-    order = columns["index"].argsort()
-    index, label, predicted, confidence = (columns[key][order] for key in COLUMNS)
-    with path.open("w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(COLUMNS)
-        confidences = (f"{c:.6f}" for c in confidence.tolist())
-        rows = zip(index.tolist(), label.tolist(), predicted.tolist(), confidences, strict=True)
-        writer.writerows(rows)
-    console.print(f"predictions written to {path}", soft_wrap=True)
-    return {
-        "predict/samples": float(len(index)),
-        "predict/acc": (predicted == label).double().mean().item(),
-    }
-
-
-@rank_zero_only
-def save_test_figures(
-    model: L.LightningModule, dataset: ImageBatches, classes: Sequence[str], out_dir: Path
-) -> list[Path]:
-    """A confusion matrix and a grid of misclassified images for the test split, as PNGs.
-
-    Rank 0 runs the (best) model over the test split once more, outside the DDP wrapper:
-    seconds on a CPU, and it keeps figure-making out of the training loop.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
-    was_training = model.training
-    model.eval()
-    outputs = []
-    with torch.no_grad():
-        for start in range(0, len(dataset), 1000):
-            batch = dataset.__getitems__(list(range(start, min(start + 1000, len(dataset)))))
-            batch = type(batch)(*(tensor.to(model.device) for tensor in batch))
-            outputs.append(model.predict_step(batch, start // 1000))
-    model.train(was_training)
-    predicted, confidence = (torch.cat([o[key] for o in outputs]).cpu() for key in COLUMNS[2:])
-    labels = dataset.labels
-    n = len(classes)
-    matrix = torch.bincount(labels * n + predicted, minlength=n * n).reshape(n, n)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    fig, ax = plt.subplots(figsize=(7, 6))
-    ax.imshow(matrix, cmap="Blues")
-    for (row, col), count in zip(
-        torch.cartesian_prod(torch.arange(n), torch.arange(n)).tolist(),
-        matrix.flatten().tolist(),
-        strict=True,
-    ):
-        color = "white" if count > matrix.max() / 2 else "black"
-        ax.text(col, row, str(count), ha="center", va="center", fontsize=7, color=color)
-    ax.set(
-        xticks=range(n),
-        yticks=range(n),
-        xlabel="predicted",
-        ylabel="true",
-        title=f"Test confusion matrix ({len(labels)} samples)",
-    )
-    ax.set_xticklabels(classes, rotation=45, ha="right", fontsize=8)
-    ax.set_yticklabels(classes, fontsize=8)
-    fig.tight_layout()
-    matrix_path = out_dir / "confusion_matrix_test.png"
-    fig.savefig(matrix_path, dpi=110)
-    plt.close(fig)
-
-    wrong = (predicted != labels).nonzero().flatten()[:32].tolist()
-    fig, axes = plt.subplots(4, 8, figsize=(12, 7))
-    for ax, i in zip(axes.flatten(), wrong + [None] * (32 - len(wrong)), strict=True):
-        ax.axis("off")
-        if i is not None:
-            image = dataset.images[i]  # uint8 [C, H, W] as read: no normalisation to undo
-            if image.shape[0] == 1:
-                ax.imshow(image[0], cmap="gray", vmin=0, vmax=255)
-            else:
-                ax.imshow(image.permute(1, 2, 0).numpy())
-            ax.set_title(
-                f"true {classes[labels[i]]}\npred {classes[predicted[i]]} {confidence[i]:.2f}",
-                fontsize=7,
-            )
-    fig.suptitle(
-        f"First {len(wrong)} misclassified test images of {int((predicted != labels).sum())}"
-    )
-    fig.tight_layout()
-    grid_path = out_dir / "misclassified_test.png"
-    fig.savefig(grid_path, dpi=110)
-    plt.close(fig)
-    return [matrix_path, grid_path]

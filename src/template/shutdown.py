@@ -29,7 +29,8 @@ from typing import Any
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import Callback
 
-from src.template.checkpoint import epoch_finished, save_last
+from src.template.checkpoint import save_last
+from src.template.resume import epoch_finished
 
 log = logging.getLogger(__name__)
 

@@ -6,19 +6,16 @@ A run records: the resolved config as params (masked where it looks like a crede
 that say where it came from, per-epoch metrics (step = epoch), the data it read, and artifacts.
 """
 
-import fcntl
+import json
 import os
 import re
 import socket
-import subprocess
 import sys
 import uuid
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import lightning.pytorch as L
 from hydra.core.hydra_config import HydraConfig
@@ -28,20 +25,25 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from src.template.checkpoint import epoch_finished
-from src.template.distributed import SWEEP_JOB_ENV, launch_rank, requested_processes
-from src.template.outbox import FAIL_FAST, Outbox, OutboxClient, Sender, encode, finish
+from src.template.config import flatten
+from src.template.outbox import Outbox, OutboxClient, Sender, encode, finish
+from src.template.resume import epoch_finished
+from src.template.store import (
+    MASK,
+    TrackingError,
+    artifact_location,
+    mask_text,
+    prepare_store,
+    sqlite_file,
+    talks_to_store,
+    without_password,
+)
+from src.template.sweeps import SWEEP_JOB_ENV
 from src.template.system_metrics import SystemMetrics
+from src.template.task import Task
 
-SQLITE_PREFIX = "sqlite:///"
-MASK = "***"
 SECRET_KEY = re.compile(r"password|token|secret|key", re.IGNORECASE)
-URL_CREDENTIALS = re.compile(r"(\w+://[^/:@\s]+):[^@\s]+@")
 PARAM_LIMIT = 6000  # MLflow's maximum length of a param value
-
-
-class TrackingError(RuntimeError):
-    """The tracking store cannot be used: the message says why and what to do."""
 
 
 class EpochMLFlowLogger(MLFlowLogger):
@@ -135,95 +137,11 @@ def build_loggers(
     raise ValueError(f"logger.kind={kind!r} is not one of mlflow, csv, none")
 
 
-def talks_to_store(cfg: DictConfig) -> bool:
-    """Only rank 0 opens the MLflow store: ranks started together (torchrun, srun) would race
-    to create a fresh store's schema."""
-    return launch_rank(requested_processes(cfg.accelerator, cfg.devices, 1)) == 0
-
-
-def sqlite_file(tracking_uri: str) -> Path | None:
-    """The database file of a SQLite store; None for a server."""
-    if not tracking_uri.startswith(SQLITE_PREFIX):
-        return None
-    return Path(tracking_uri.removeprefix(SQLITE_PREFIX))
+# --- what a run records
 
 
 def mlflow_logger(loggers: list[Logger]) -> MLFlowLogger | None:
     return next((logger for logger in loggers if isinstance(logger, MLFlowLogger)), None)
-
-
-def artifact_location(tracking_uri: str) -> str | None:
-    """For a SQLite store, artifacts go to ``mlartifacts/`` beside the database (the folder
-    ``mlflow server`` uses by default); a remote server decides for itself."""
-    database = sqlite_file(tracking_uri)
-    return str(database.resolve().parent / "mlartifacts") if database else None
-
-
-def prepare_store(tracking_uri: str, experiment_name: str) -> None:
-    """Create the SQLite schema and the experiment, or check the server answers, once (rank 0),
-    before any work starts. Jobs that start together (a sweep's SLURM jobs) take turns: the
-    store's folder is locked while its schema is created."""
-    from mlflow import MlflowClient
-
-    if database := sqlite_file(tracking_uri):
-        try:
-            folder = database.parent
-            folder.mkdir(parents=True, exist_ok=True)
-            with locked(folder):
-                ensure_experiment(MlflowClient(tracking_uri), experiment_name, tracking_uri)
-        except Exception as error:
-            reason = str(error).strip().splitlines()[0][:200]
-            raise TrackingError(
-                f"MLflow store {tracking_uri} cannot be opened ({reason}). Set "
-                "logger.tracking_uri=sqlite:///<a folder you can write to>/mlflow.db"
-            ) from error
-        return
-    # A remote server: fail now, in seconds, rather than retrying for minutes mid-training.
-    try:
-        with mock.patch.dict(os.environ, FAIL_FAST):  # only for this check
-            ensure_experiment(MlflowClient(tracking_uri), experiment_name, tracking_uri)
-    except Exception as error:
-        reason = str(error).splitlines()[0][:200]
-        raise TrackingError(
-            f"MLflow server {mask_text(tracking_uri)} is not reachable ({reason}). Start it "
-            "(README: MLflow server) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
-        ) from error
-
-
-@contextmanager
-def locked(folder: Path) -> Iterator[None]:
-    """An exclusive lock on ``folder`` between processes (flock: released if one dies)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def ensure_experiment(client: Any, name: str, tracking_uri: str) -> None:
-    """The experiment exists (created here, where only one job creates it at a time, rather than
-    by Lightning's logger in every job)."""
-    if client.get_experiment_by_name(name) is not None:
-        return
-    try:
-        client.create_experiment(name, artifact_location=artifact_location(tracking_uri))
-    except Exception:
-        if client.get_experiment_by_name(name) is None:  # not another job's creation
-            raise
-
-
-# --- what a run records
-
-
-def mask_text(text: str) -> str:
-    """Hide the password of ``scheme://user:password@host`` URLs."""
-    return URL_CREDENTIALS.sub(rf"\1:{MASK}@", text)
-
-
-def without_password(uri: str) -> str:
-    """``scheme://user:password@host`` → ``scheme://user@host``: safe to store in a checkpoint."""
-    return URL_CREDENTIALS.sub(r"\1@", uri)
 
 
 def mask_secrets(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -238,16 +156,6 @@ def mask_override(override: str) -> str:
     """``db.password=x`` → ``db.password=***``; other overrides keep their value, URLs masked."""
     key, sep, value = override.partition("=")
     return f"{key}{sep}{MASK}" if sep and SECRET_KEY.search(key) else mask_text(override)
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"model": {"lr": 0.1}}`` → ``{"model.lr": 0.1}``: the keys people type as overrides."""
-    if isinstance(tree, dict):
-        flat: dict[str, Any] = {}
-        for key, value in tree.items():
-            flat.update(flatten(value, f"{prefix}{key}."))
-        return flat
-    return {prefix.rstrip("."): tree}
 
 
 def run_params(cfg: DictConfig, trainer: L.Trainer) -> dict[str, Any]:
@@ -281,24 +189,7 @@ def run_tags(cfg: DictConfig) -> dict[str, str]:
         tags["sweep.job"] = str(hydra.job.num)
     elif SWEEP_JOB_ENV in os.environ:  # a sweep's DDP job, run as its own process tree
         tags["sweep.id"], tags["sweep.job"] = os.environ[SWEEP_JOB_ENV].rsplit("/", 1)
-    tags.update(git_state(Path(__file__).parent))
     return tags
-
-
-def git_state(folder: Path) -> dict[str, str]:
-    """``git.commit`` and ``git.dirty`` when ``folder`` is in a git checkout, else nothing."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=folder, capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return {"git.commit": commit, "git.dirty": str(dirty).lower()}
 
 
 RUN_ID_FILE = "mlflow_run_id.txt"  # in the output folder: the run a job (re)opened
@@ -362,8 +253,6 @@ def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> No
             logger.log_hyperparams(params)
         if isinstance(logger, MLFlowLogger):
             Path(cfg.paths.output_dir, RUN_ID_FILE).write_text(logger.run_id + "\n")
-        if isinstance(logger, EpochMLFlowLogger) and logger.outbox is None:
-            send_through_outbox(logger, Path(cfg.paths.output_dir), cfg.logger.tracking_uri)
 
 
 def send_through_outbox(logger: EpochMLFlowLogger, folder: Path, tracking_uri: str) -> None:
@@ -393,14 +282,18 @@ def go_offline(logger: EpochMLFlowLogger, cfg: DictConfig) -> None:
 
 
 @contextmanager
-def sending(loggers: list[Logger], timeout_s: float) -> Iterator[None]:
-    """At the end of the job, wait up to ``timeout_s`` for the outbox to be sent; what is left
-    is said in one line, with the command that sends it. The job's outcome stays its own."""
+def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
+    """The job's MLflow records go through the outbox while the block runs (a server; see
+    :func:`send_through_outbox`); at its end, wait up to ``logger.send_timeout_s`` for them to
+    be sent; what is left is said in one line, with the command that sends it."""
+    logger = mlflow_logger(loggers)
+    if isinstance(logger, EpochMLFlowLogger) and logger.outbox is None:
+        send_through_outbox(logger, Path(cfg.paths.output_dir), cfg.logger.tracking_uri)
     try:
         yield
     finally:
-        logger = mlflow_logger(loggers)
         if getattr(logger, "outbox", None) is not None:
+            timeout_s = cfg.logger.get("send_timeout_s", 0)
             finish(logger.outbox, logger.sender, timeout_s, logger.run_id, logger.offline)
 
 
@@ -474,39 +367,40 @@ def log_outcome(
 
 @rank_zero_only
 def log_model(
-    loggers: list[Logger], settings: DictConfig, net: Any, datamodule: Any, output_dir: Path,
-    step: int,
+    loggers: list[Logger], settings: DictConfig, task: Task, model: Any, datamodule: Any,
+    output_dir: Path, step: int, metrics: Sequence[str],
 ) -> None:  # fmt: skip
-    """The trained network as the run's MLflow LoggedModel, at the step of its test metrics
-    (MLflow links those to it), registered as ``logger.registered_model_name`` if set. Saved in
-    the output folder first (``model/``), then logged like any record (see src/template/serving.py).
-    A network that cannot be exported costs a warning, never the job's results."""
-    from src.template import serving
+    """The trained model as the run's MLflow LoggedModel (what the task's ``export`` says it is),
+    at the step of the job's final ``metrics`` (MLflow links those to it), registered as
+    ``logger.registered_model_name`` if set. Saved in the output folder first (``model/``), then
+    logged like any record (see src/template/export.py). A model that cannot be exported costs a
+    warning, never the job's results."""
+    from src.template import export
 
     logger = mlflow_logger(loggers)
-    if logger is None or not settings.get("log_model", True):
+    if logger is None or task.export is None or not settings.get("log_model", True):
         return
     try:
-        folder = serving.save_model(net, datamodule, output_dir / serving.MODEL_FOLDER)
+        folder = export.save_model(task.export(model, datamodule), output_dir / export.MODEL_FOLDER)
     except Exception as error:
         reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else repr(error)
         rank_zero_warn(
-            f"the network was not logged as an MLflow model: exporting it failed ({reason}). "
+            f"the model was not logged as an MLflow model: exporting it failed ({reason}). "
             "The checkpoint is logged as before; logger.log_model=false skips this step"
         )
         return
-    name = settings.get("registered_model_name")
+    name, key = settings.get("registered_model_name"), uuid.uuid4().hex
     if logger.outbox is not None:
         logger.outbox.append(
-            encode("log_model", logger.run_id, folder=folder, step=step, key=uuid.uuid4().hex,
-                   registered_name=name)
+            encode("log_model", logger.run_id, folder=folder, step=step, key=key,
+                   registered_name=name, metrics=list(metrics))
         )  # fmt: skip
         then = f" and registered as a version of {name}" if name else ""
         print(f"MLflow model saved in {folder}; it is logged to run {logger.run_id}{then} "
               "when the run's records are sent")  # fmt: skip
         return
-    model_id, version = serving.log_model(
-        logger.experiment.tracking_uri, logger.run_id, folder, step, uuid.uuid4().hex, name
+    model_id, version = export.log_model(
+        logger.experiment.tracking_uri, logger.run_id, folder, step, key, name, metrics
     )
     served = f"models:/{name}/{version}" if name else f"models:/{model_id}"
     print(f"MLflow model {served} of run {logger.run_id}. Serve it: "
@@ -517,16 +411,12 @@ def log_datasets(
     logger: MLFlowLogger, splits: Mapping[str, tuple[int, str]], source: str, name: str
 ) -> None:
     """MLflow dataset inputs, so the UI shows what data a run used: split, size, digest."""
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
-    from mlflow.data.meta_dataset import MetaDataset
-    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.entities import Dataset, DatasetInput, InputTag
 
-    with warnings.catch_warnings():  # "can be interpreted in multiple ways": it is a folder
-        warnings.simplefilter("ignore")
-        origin = resolve_dataset_source(str(source))
+    origin = json.dumps({"uri": str(source)})
     inputs = [
         DatasetInput(
-            MetaDataset(origin, name=f"{name}/{split}", digest=digest)._to_mlflow_entity(),
+            Dataset(f"{name}/{split}", digest, source_type="local", source=origin),
             tags=[InputTag("mlflow.data.context", split), InputTag("samples", str(samples))],
         )
         for split, (samples, digest) in splits.items()

@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import lightning.pytorch as L
+from hydra.utils import instantiate
 from lightning.pytorch.callbacks import (
     Callback,
     RichModelSummary,
@@ -14,13 +15,8 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
-from src.template.checkpoint import (
-    AtomicCheckpointIO,
-    BestCheckpoint,
-    LastCheckpoint,
-    MidEpochState,
-)
-from src.template.config import as_config_error, check_count, check_keys, quiet
+from src.template.checkpoint import AtomicCheckpointIO, BestCheckpoint, LastCheckpoint
+from src.template.config import as_config_error, check_count, check_keys
 from src.template.data import per_device_batch_size
 from src.template.distributed import (
     LogRankSetup,
@@ -28,8 +24,9 @@ from src.template.distributed import (
     check_devices,
     requested_processes,
     srun_starts_ranks,
-    use_sync_batchnorm,
 )
+from src.template.environment import quiet
+from src.template.resume import MidEpochState, silence_resume_warning
 from src.template.shutdown import StopOnSignal
 
 # Trainer arguments that build_trainer sets from other config: key -> where to set it instead.
@@ -40,7 +37,7 @@ SET_BY_TEMPLATE = {
     "strategy": "the strategy group (strategy=ddp)",
     "sync_batchnorm": "strategy.sync_batchnorm",
     "logger": "the logger group (logger=mlflow|csv|none)",
-    "callbacks": "the callbacks group",
+    "callbacks": "the callbacks group (callbacks.extra for your own)",
     "enable_progress_bar": "callbacks.progress_bar",
     "enable_model_summary": "the task (training only)",
     "default_root_dir": "paths.output_dir",
@@ -80,11 +77,12 @@ def check_settings(cfg: DictConfig, fitting: bool) -> int:
     return world
 
 
-def build_callbacks(cfg: DictConfig, fitting: bool) -> list[Callback]:
-    """Rank setup log, stop on signal and progress bar always; checkpointing and model summary
-    when training."""
+def build_callbacks(cfg: DictConfig, monitor: tuple[str, str] | None) -> list[Callback]:
+    """Rank setup log, stop on signal, progress bar and the config's own (``callbacks.extra``:
+    any Lightning callback by ``_target_``) always; checkpointing and the model summary when
+    training, the best checkpoint by ``monitor`` (the task's metric and mode)."""
     callbacks: list[Callback] = [
-        LogRankSetup(),
+        LogRankSetup(monitor[0] if monitor else ""),
         StopOnSignal(cfg.callbacks.stop_check_every_n_steps),
     ]
     bar = cfg.callbacks.progress_bar
@@ -92,23 +90,27 @@ def build_callbacks(cfg: DictConfig, fitting: bool) -> list[Callback]:
         callbacks.append(RichProgressBar())
     elif bar == "tqdm":
         callbacks.append(TQDMProgressBar())
-    if not fitting:
+    with as_config_error("callbacks.extra"):
+        callbacks += [instantiate(spec) for spec in cfg.callbacks.get("extra", {}).values()]
+    if monitor is None:
         return callbacks
+    metric, mode = monitor
     ckpt = cfg.callbacks.checkpoint
     ckpt_dir = Path(cfg.paths.output_dir) / "checkpoints"
-    short_name = ckpt.monitor.rsplit("/", 1)[-1]  # val/acc -> epoch002-acc0.9176.ckpt
-    # Both save at train-epoch end (after validation); last.ckpt also mid-epoch (see checkpoint.py).
+    short_name = metric.rsplit("/", 1)[-1]  # val/acc -> epoch002-acc0.9176.ckpt
+    # Both save at train-epoch end (after validation); last.ckpt also mid-epoch (see resume.py).
     best = BestCheckpoint(
         dirpath=ckpt_dir,
         # Metric names contain "/", which would become folders if inserted automatically.
-        filename=f"epoch{{epoch:03d}}-{short_name}{{{ckpt.monitor}:.4f}}",
+        filename=f"epoch{{epoch:03d}}-{short_name}{{{metric}:.4f}}",
         auto_insert_metric_name=False,
-        monitor=ckpt.monitor,
-        mode=ckpt.mode,
+        monitor=metric,
+        mode=mode,
         save_top_k=ckpt.save_top_k,
         save_on_train_epoch_end=True,
     )
     last = LastCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt.every_n_train_steps)
+    silence_resume_warning()
     callbacks += [best, last, MidEpochState()]
     callbacks.append(RichModelSummary(max_depth=cfg.callbacks.model_summary_depth))
     return callbacks
@@ -124,23 +126,23 @@ def plugins(processes: int) -> list:
 
 
 def build_trainer(
-    cfg: DictConfig, loggers: list[Logger], fitting: bool, extra_callbacks: Sequence[Callback] = ()
-) -> L.Trainer:
+    cfg: DictConfig, loggers: list[Logger], callbacks: Sequence[Callback], fitting: bool,
+    sync_batchnorm: bool = False,
+) -> L.Trainer:  # fmt: skip
     """A Trainer for ``cfg`` (checked by :func:`check_settings`): hardware from the top-level
     keys, loop settings from ``trainer``."""
     processes = requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)
-    trainer = L.Trainer(
+    return L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
         strategy=build_strategy(cfg.strategy, processes),
-        sync_batchnorm=fitting and use_sync_batchnorm(cfg),
+        sync_batchnorm=sync_batchnorm,
         logger=loggers or False,
-        callbacks=[*build_callbacks(cfg, fitting), *extra_callbacks],
+        callbacks=list(callbacks),
         enable_progress_bar=cfg.callbacks.progress_bar != "none",
         enable_model_summary=fitting,
         default_root_dir=cfg.paths.output_dir,
         plugins=plugins(processes),
         **OmegaConf.to_container(cfg.trainer, resolve=True),
     )
-    return trainer

@@ -12,7 +12,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
-from src.template.data import DataError, ImageDataModule
+from src.task.data.images import ImageDataModule
+from src.template.data import DataError
 
 EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 MODES = {1: "L", 3: "RGB"}

@@ -17,7 +17,8 @@ import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from torch import Tensor
 
-from src.template.data import DataError, ImageDataModule
+from src.task.data.images import ImageDataModule
+from src.template.data import DataError
 
 FILES = (
     "train-images-idx3-ubyte",

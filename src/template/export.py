@@ -1,50 +1,28 @@
-"""A trained network as an MLflow model people can load and serve without this project.
+"""A trained model as an MLflow model people can load and serve without this project.
 
-:func:`save_model` exports the network with its normalisation (``torch.export``: a program,
-no pickled code) and saves it with :mod:`src.template.mlflow_model` as an MLflow pyfunc model
-in the job's output folder. :func:`log_model` makes that folder a LoggedModel of the job's run
-(MLflow links the run's metrics of the model's step to it: the test metrics) and registers it.
+The task says what the served model is (:class:`~src.template.task.ModelExport`): a module from
+raw inputs to outputs, its signature and the "models from code" file that loads it.
+:func:`save_model` exports it (``torch.export``: a program, no pickled code) into the job's
+output folder; :func:`log_model` makes that folder a LoggedModel of the job's run (MLflow links
+the run's final metrics to it) and registers it.
 """
 
-import copy
 import json
-import logging
-import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
-from torch import nn
 
-from src.template.data import ImageDataModule
-from src.template.system_metrics import PREFIX as SYSTEM_PREFIX
+from src.template.environment import environment, quiet
+from src.template.task import ModelExport
 
 MODEL_FOLDER = "model"  # in the output folder: the saved MLflow model
 MODEL_NAME = "model"  # its name in the run
-CODE = Path(__file__).with_name("mlflow_model.py")
 KEY_TAG = "template.model_key"  # on a LoggedModel: which job's model it is (see log_model)
-EXAMPLES = 2  # images in the input example
-
-
-class RawImageClassifier(nn.Module):
-    """uint8 images ``[N, C, H, W]`` -> (class probabilities ``[N, K]``, predicted class ``[N]``),
-    normalised exactly as the data module does for training."""
-
-    def __init__(self, net: nn.Module, mean: Any, std: Any) -> None:
-        super().__init__()
-        self.net = net
-        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
-        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
-
-    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pixels = images.float().div(255).sub(self.mean).div(self.std)
-        probabilities = self.net(pixels).softmax(dim=1)
-        return probabilities, probabilities.argmax(dim=1)
 
 
 def requirements() -> list[str]:
@@ -54,63 +32,37 @@ def requirements() -> list[str]:
     return [f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "pandas"]
 
 
-def signature(image_shape: tuple[int, ...]) -> Any:
-    """uint8 images of ``image_shape`` in; predicted class, its name, all probabilities out."""
-    import numpy as np
-    from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, Schema, TensorSpec
-    from mlflow.types.schema import Array
-
-    outputs = [
-        ColSpec("long", "predicted"),
-        ColSpec("string", "class_name"),
-        ColSpec(Array("float"), "probabilities"),
-    ]
-    return ModelSignature(
-        Schema([TensorSpec(np.dtype(np.uint8), (-1, *image_shape))]), Schema(outputs)
-    )
-
-
 @contextmanager
 def quietly() -> Iterator[None]:
     """Without MLflow's progress bars and INFO lines in the job's output."""
-    mlflow_log = logging.getLogger("mlflow")
-    level = mlflow_log.level
-    with mock.patch.dict(os.environ, {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}):
-        mlflow_log.setLevel(logging.WARNING)
-        try:
-            yield
-        finally:
-            mlflow_log.setLevel(level)
+    with environment(MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false"), quiet("mlflow"):
+        yield
 
 
-def save_model(net: nn.Module, data: ImageDataModule, folder: Path) -> Path:
-    """Export ``net`` (a copy, on the CPU) and save it as an MLflow model in ``folder``, whole or
-    not at all. The input example is the first test images, as people have them."""
+def save_model(export: ModelExport, folder: Path) -> Path:
+    """Export ``export.module`` (``torch.export``, any batch size) and save it as an MLflow
+    pyfunc model in ``folder``, whole or not at all."""
     import mlflow
 
-    wrapper = RawImageClassifier(copy.deepcopy(net).cpu().float().eval(), data.mean, data.std)
-    images = data.test_set.images[:EXAMPLES].cpu()
     batch = torch.export.Dim("batch")
-    program = torch.export.export(wrapper, (images,), dynamic_shapes=({0: batch},))
-    example = images[:, 0] if data.image_shape[0] == 1 else images  # [N, H, W] for one channel
+    program = torch.export.export(export.module, (export.example,), dynamic_shapes=({0: batch},))
     with tempfile.TemporaryDirectory(dir=folder.parent) as staging:
         parts = Path(staging, "parts")
         parts.mkdir()
         torch.export.save(program, parts / "program.pt2")
-        labels = {"classes": list(data.classes), "image_shape": list(data.image_shape)}
-        (parts / "labels.json").write_text(json.dumps(labels))
+        (parts / "metadata.json").write_text(json.dumps(dict(export.metadata)))
         with quietly():
             mlflow.pyfunc.save_model(
                 path=Path(staging, MODEL_FOLDER),
-                python_model=str(CODE),
+                python_model=str(export.code),
                 artifacts={
                     "program": str(parts / "program.pt2"),
-                    "labels": str(parts / "labels.json"),
+                    "metadata": str(parts / "metadata.json"),
                 },
-                signature=signature(tuple(example.shape[1:])),
-                input_example=example.numpy(),
+                signature=export.signature,
+                input_example=export.input_example,
                 pip_requirements=requirements(),
+                metadata={"model_type": export.model_type} if export.model_type else None,
             )
         shutil.rmtree(folder, ignore_errors=True)
         Path(staging, MODEL_FOLDER).rename(folder)
@@ -118,10 +70,11 @@ def save_model(net: nn.Module, data: ImageDataModule, folder: Path) -> Path:
 
 
 def log_model(
-    tracking_uri: str, run_id: str, folder: Path, step: int, key: str, registered_name: str | None
-) -> tuple[str, int | None]:
+    tracking_uri: str, run_id: str, folder: Path, step: int, key: str, registered_name: str | None,
+    metrics: Sequence[str] = (),
+) -> tuple[str, int | None]:  # fmt: skip
     """Log the saved model in ``folder`` as a LoggedModel of run ``run_id`` at ``step``, with the
-    run's metrics of that step linked to it (as ``mlflow.pyfunc.log_model`` links them), and
+    run's ``metrics`` of that step linked to it (as ``mlflow.pyfunc.log_model`` links them), and
     register it as a new version of ``registered_name``; the model's id and that version.
 
     Through the client, not ``log_model`` itself: that writes to the fluent API's current store
@@ -142,27 +95,28 @@ def log_model(
         if model not in ready:
             client.delete_logged_model(model.model_id)
     with quietly():
-        model_id = ready[0].model_id if ready else upload(client, run, folder, step, key)
+        model_id = ready[0].model_id if ready else upload(client, run, folder, step, key, metrics)
         registered = (
             register(client, registered_name, run_id, model_id) if registered_name else None
         )
     return model_id, registered[0] if registered else None
 
 
-def upload(client: Any, run: Any, folder: Path, step: int, key: str) -> str:
+def upload(client: Any, run: Any, folder: Path, step: int, key: str, metrics: Sequence[str]) -> str:
     from mlflow.entities import LoggedModelOutput, Metric
     from mlflow.models import Model
 
     run_id = run.info.run_id
+    model_type = Model.load(folder).metadata or {}
     model = client.create_logged_model(
         run.info.experiment_id, name=MODEL_NAME, source_run_id=run_id, tags={KEY_TAG: key},
-        params=run.data.params, model_type="image-classifier",
+        params=run.data.params, model_type=model_type.get("model_type"),
     )  # fmt: skip
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=step)])
-    linked = [  # the test metrics (system metrics have steps of their own)
+    linked = [  # the job's final metrics (e.g. test/*), not system readings of the same step
         Metric(m.key, m.value, m.timestamp, m.step, model_id=model.model_id, run_id=run_id)
-        for key in run.data.metrics
-        if not key.startswith(SYSTEM_PREFIX)
+        for key in metrics
+        if key in run.data.metrics
         for m in client.get_metric_history(run_id, key)
         if m.step == step and m.model_id is None
     ]

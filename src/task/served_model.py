@@ -3,7 +3,7 @@
 MLflow copies this file into every logged model and runs it when the model is loaded, so it
 needs only torch, numpy and pandas, never this project, and nothing in the model is unpickled:
 the network is a ``torch.export`` program (``program.pt2``) that normalises pixels itself.
-Saved by :mod:`src.template.serving`.
+Described to the machinery by :func:`src.task.export.export` (``ModelExport.code``).
 """
 
 import json
@@ -23,10 +23,10 @@ class ImageClassifierModel(PythonModel):
 
     def load_context(self, context: Any) -> None:
         self.program = torch.export.load(context.artifacts["program"]).module()
-        labels = json.loads(Path(context.artifacts["labels"]).read_text())
+        labels = json.loads(Path(context.artifacts["metadata"]).read_text())
         self.classes, self.image_shape = labels["classes"], tuple(labels["image_shape"])
 
-    # np.ndarray: a type hint MLflow infers no schema from; the signature (src.template.serving)
+    # np.ndarray: a type hint MLflow infers no schema from; the signature (src.task.export)
     # says what the model takes, and MLflow checks inputs against it.
     def predict(self, context: Any, model_input: np.ndarray, params: Any = None) -> pd.DataFrame:
         images = torch.as_tensor(np.asarray(model_input))

@@ -1,0 +1,35 @@
+"""Temporary changes to what the process runs with: environment variables and log levels."""
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """Set environment variables for the block (e.g. MLflow's request settings, read per
+    request), then restore them as they were."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextmanager
+def quiet(logger_name: str) -> Iterator[None]:
+    """Silence a logger's INFO lines for the block (e.g. Lightning's hardware summary of a trial
+    build, MLflow's upload notices)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -1,0 +1,66 @@
+"""Hydra multiruns (``-m``): what a sweep job needs beyond a single run.
+
+A DDP job of a sweep runs as its own process tree (:func:`run_sweep_job_in_own_process`), and
+``conf/hydra/launcher/slurm.yaml`` asks SLURM for GPUs through the ``gpus_for`` resolver.
+"""
+
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+def in_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+class SweepJobFailed(RuntimeError):
+    """A sweep's DDP job, run as its own process tree, failed (it printed why)."""
+
+
+SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep id>/<job number>" for a sweep's DDP job
+
+
+def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:
+    """Run this multirun job as a fresh single-run process tree; return its optimized metric.
+
+    Lightning starts DDP ranks 1..N-1 by re-running the command line, which in a multirun is the
+    whole sweep, and it watches them from a thread that SIGKILLs the launching process when a
+    rank fails. Both are right for one job and wrong for a sweep that runs job after job in one
+    process. So a DDP job of a sweep is started as its own command: this job's overrides, in
+    this job's folder. Its ranks train exactly this job's hyperparameters, a failure ends only
+    this job, and no process group or launch variable outlives it.
+    """
+    import __main__
+
+    hydra = HydraConfig.get()
+    out = Path(hydra.runtime.output_dir)
+    command = [sys.executable, "-m", __main__.__spec__.name, *hydra.overrides.task]
+    command.append(f"hydra.run.dir={out}")
+    env = {**os.environ, SWEEP_JOB_ENV: f"{Path(hydra.sweep.dir).name}/{hydra.job.num}"}
+    log.info(
+        "sweep job %s runs as its own DDP process tree: %s", hydra.job.num, shlex.join(command)
+    )
+    code = subprocess.run(command, env=env).returncode
+    if code != 0:
+        raise SweepJobFailed(f"sweep job {hydra.job.num} exited with code {code}; see {out}")
+    return json.loads((out / "metrics.json").read_text()).get(optimized_metric)
+
+
+def gpus_for(accelerator: str, devices: int) -> int:
+    """GPUs per node to ask a scheduler for: one per device, none with ``accelerator=cpu``."""
+    return 0 if accelerator == "cpu" else int(devices)
+
+
+def register_resolvers() -> None:
+    """Resolvers the configs use (``${gpus_for:...}`` in conf/hydra/launcher/slurm.yaml)."""
+    OmegaConf.register_new_resolver("gpus_for", gpus_for, replace=True)
