@@ -28,7 +28,8 @@ def test_predict_writes_every_test_sample_in_order(
     assert str(path) in proc.stdout.replace("\n", "")
     with path.open() as file:
         rows = list(csv.DictReader(file))
-    assert list(rows[0]) == ["index", "label", "predicted", "confidence"]
+    assert list(rows[0]) == ["index", "label", "predicted", "class_name", "confidence"]
+    assert all(r["class_name"] == r["predicted"] for r in rows), "MNIST's classes are 0..9"
     assert [int(r["index"]) for r in rows] == list(range(N_TEST))
     _, labels = load_split(tiny_root, DATASETS["mnist"], train=False)
     assert [int(r["label"]) for r in rows] == labels.tolist()

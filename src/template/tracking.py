@@ -20,12 +20,13 @@ from typing import Any
 import lightning.pytorch as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from src.template.config import flatten
+from src.template.config import as_config_error, flatten
 from src.template.outbox import Outbox, OutboxClient, Sender, encode, finish
 from src.template.resume import epoch_finished
 from src.template.store import (
@@ -102,39 +103,41 @@ class EpochMLFlowLogger(MLFlowLogger):
 def build_loggers(
     cfg: DictConfig, extra_tags: Mapping[str, str] | None = None, continue_run: str | None = None
 ) -> list[Logger]:
-    """The loggers chosen by ``logger=mlflow|csv|none``; MLflow continues ``continue_run``.
-
-    Only rank 0 gets an MLflow logger: Lightning's opens the store in its constructor, and ranks
-    started together (torchrun, srun) would race to create a fresh store's schema.
-    """
+    """The logger chosen by ``logger=mlflow|csv|none`` (MLflow continues ``continue_run``), and
+    the config's own beside it (``logger.extra``: any Lightning logger by ``_target_``; they
+    write from rank 0, as Lightning's loggers do)."""
+    with as_config_error("logger.extra"):
+        extra = [instantiate(spec) for spec in cfg.logger.get("extra", {}).values()]
     kind = cfg.logger.kind
     if kind == "none":
-        return []
+        return extra
     if kind == "csv":
-        return [CSVLogger(save_dir=cfg.paths.output_dir, name="csv", version="")]
-    if kind == "mlflow":
-        if not talks_to_store(cfg):
-            return []
-        uri, offline = cfg.logger.tracking_uri, bool(cfg.logger.get("offline"))
-        if offline and sqlite_file(uri):
-            raise TrackingError(
-                "logger.offline=true is for an MLflow server (logger.tracking_uri=http://...); "
-                "a SQLite store is written directly"
-            )
-        if not offline:
-            prepare_store(uri, cfg.logger.experiment_name)
-        logger = EpochMLFlowLogger(
-            experiment_name=cfg.logger.experiment_name,
-            run_name=cfg.logger.run_name,
-            tracking_uri=uri,
-            artifact_location=artifact_location(uri),
-            tags={**run_tags(cfg), **(extra_tags or {})},
-            run_id=f"offline-{uuid.uuid4().hex}" if offline else continue_run,
+        return [CSVLogger(save_dir=cfg.paths.output_dir, name="csv", version=""), *extra]
+    if kind != "mlflow":
+        raise ValueError(f"logger.kind={kind!r} is not one of mlflow, csv, none")
+    # Only rank 0 opens the store: ranks started together (torchrun, srun) would race to
+    # create a fresh store's schema.
+    if not talks_to_store(cfg):
+        return extra
+    uri, offline = cfg.logger.tracking_uri, bool(cfg.logger.get("offline"))
+    if offline and sqlite_file(uri):
+        raise TrackingError(
+            "logger.offline=true is for an MLflow server (logger.tracking_uri=http://...); "
+            "a SQLite store is written directly"
         )
-        if offline:
-            go_offline(logger, cfg)
-        return [logger]
-    raise ValueError(f"logger.kind={kind!r} is not one of mlflow, csv, none")
+    if not offline:
+        prepare_store(uri, cfg.logger.experiment_name)
+    logger = EpochMLFlowLogger(
+        experiment_name=cfg.logger.experiment_name,
+        run_name=cfg.logger.run_name,
+        tracking_uri=uri,
+        artifact_location=artifact_location(uri),
+        tags={**run_tags(cfg), **(extra_tags or {})},
+        run_id=f"offline-{uuid.uuid4().hex}" if offline else continue_run,
+    )
+    if offline:
+        go_offline(logger, cfg)
+    return [logger, *extra]
 
 
 # --- what a run records

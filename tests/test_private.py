@@ -1,0 +1,36 @@
+"""Every private API of a dependency that the machinery uses (src/template/private.py), pinned:
+an upgrade that renames or reshapes one fails here, loudly, not in a job."""
+
+import inspect
+
+from lightning.pytorch.strategies import DDPStrategy
+
+from src.template.private import SubprocessScriptLauncher, set_num_threads_if_needed
+
+
+def test_lightnings_subprocess_launcher_has_what_the_watched_launcher_uses() -> None:
+    assert callable(SubprocessScriptLauncher._call_children_scripts)
+    assert list(inspect.signature(SubprocessScriptLauncher.launch).parameters)[:3] == [
+        "self", "function", "args",
+    ]  # fmt: skip
+    launcher = SubprocessScriptLauncher.__new__(SubprocessScriptLauncher)
+    launcher.__init__(cluster_environment=None, num_processes=2, num_nodes=1)
+    assert launcher.procs == [], "the started rank processes are read from .procs"
+    assert callable(DDPStrategy._configure_launcher)
+    assert "_launcher" in inspect.getsource(DDPStrategy._configure_launcher)
+
+
+def test_lightnings_thread_setting_takes_the_process_count() -> None:
+    assert list(inspect.signature(set_num_threads_if_needed).parameters) == ["num_processes"]
+
+
+def test_mlflows_system_metrics_samplers_are_usable_without_its_loop() -> None:
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor("", sampling_interval=1, tracking_uri="sqlite:///:memory:")
+    monitor.collect_metrics()
+    readings = monitor.aggregate_metrics()
+    assert any(key.startswith("cpu_utilization") for key in readings), readings
+    for sampler in monitor.monitors:
+        sampler.clear_metrics()
+    assert monitor.sampling_interval == 1
