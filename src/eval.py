@@ -45,7 +45,7 @@ def evaluate(cfg: DictConfig, task: Task) -> dict[str, float]:
     run_loop = {"test": trainer.test, "val": trainer.validate}[cfg.split]
     with tracking.sending(loggers, cfg), run_lifecycle(trainer):
         tracking.log_config(loggers, cfg, trainer)
-        metrics = run_loop(model, datamodule=datamodule)[0]
+        metrics = run_loop(model, datamodule=datamodule, verbose=False)[0]
         reporting.report_metrics(metrics, Path(cfg.paths.output_dir))
     return metrics
 

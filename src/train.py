@@ -49,7 +49,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         # The best checkpoint by the monitored metric; without validation, the last one.
         best = trainer.checkpoint_callback.best_model_path or str(out / "checkpoints/last.ckpt")
-        tested = trainer.test(model, datamodule=datamodule, ckpt_path=best)[0]
+        tested = trainer.test(model, datamodule=datamodule, ckpt_path=best, verbose=False)[0]
         metrics.update(tested)
         reporting.report_metrics(metrics, out)
         figures = reporting.figures(task, model, datamodule, out / "figures")

@@ -1,9 +1,11 @@
 """The task's test figures for any channel count: RGB images in colour, grayscale in gray."""
 
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -11,6 +13,7 @@ from src.task.data.images import Normalize
 from src.task.model import ImageClassifier
 from src.task.report import figures
 from src.template.data import TensorSplit
+from tests.conftest import run_entry, tiny_overrides
 
 
 def test_misclassified_rgb_images_are_drawn_in_colour(tmp_path: Path) -> None:
@@ -28,3 +31,27 @@ def test_misclassified_rgb_images_are_drawn_in_colour(tmp_path: Path) -> None:
     red = (pixels[..., 0] > 200) & (pixels[..., 1] < 60) & (pixels[..., 2] < 60)
     assert red.sum() > 1000, "the six misclassified images are drawn red, as read"
     assert Image.open(matrix).size[0] > 500
+
+
+def printed_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_a_run_and_a_sweep_job_print_a_screenful_and_keep_the_rest(
+    tiny_root: Path, tmp_path: Path
+) -> None:
+    """A default run prints about 40 lines at most (no config tree, model summary, duplicate
+    results or library notices); the config and the model summary are in the output folder."""
+    run = run_entry(
+        "train", *tiny_overrides(tiny_root), "callbacks.progress_bar=rich", cwd=tmp_path
+    )
+    single = printed_lines(run)
+    assert len(single) <= 40, "\n".join(single)
+    assert not [line for line in single if "srun" in line or "Tip:" in line or "LeafSpec" in line]
+    (out,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
+    assert "model:" in (out / "config.yaml").read_text()
+    assert "Total params" in (out / "model_summary.txt").read_text()
+    sweep = run_entry("train", "-m", *tiny_overrides(tiny_root), "model.lr=0.01,0.02", cwd=tmp_path)
+    hydra_lines = 3  # "Launching 2 jobs locally", and "#0 : ...", "#1 : ..."
+    assert len(printed_lines(sweep)) <= 2 * len(single) + hydra_lines

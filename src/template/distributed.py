@@ -4,6 +4,7 @@ nothing distributed behind. (The samplers that make results independent of the n
 processes live with the data: :mod:`src.template.data`, :mod:`src.template.resume`.)
 """
 
+import hashlib
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -206,12 +207,13 @@ class LogRankSetup(Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         backend = getattr(trainer.strategy, "process_group_backend", None) or "none"
+        hparams = hashlib.md5(repr(sorted(pl_module.hparams.items())).encode()).hexdigest()[:8]
         log.info(
             "rank %d/%d (node %d, local %d) %s: backend %s, %d CPU threads, per-device batch %s, "
-            "hyperparameters %s",
+            "hyperparameters md5 %s",
             trainer.global_rank, trainer.world_size, trainer.node_rank, trainer.local_rank,
             getattr(stage, "value", stage), backend, torch.get_num_threads(),
-            getattr(trainer.datamodule, "per_device_batch_size", None), dict(pl_module.hparams),
+            getattr(trainer.datamodule, "per_device_batch_size", None), hparams,
         )  # fmt: skip
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -13,7 +13,7 @@ from src.template.checkpoint import CheckpointError
 from src.template.config import run_entry_point
 from src.template.data import DataError
 from src.template.distributed import job_scope
-from src.template.reporting import short_errors
+from src.template.reporting import quiet_library_notices, short_errors
 from src.template.shutdown import RankFailed
 from src.template.store import TrackingError
 from src.template.sweeps import SweepJobFailed
@@ -28,6 +28,7 @@ def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -
     """``python -m src.<entry> [overrides]``: ``job(cfg, task)`` with ``conf/<config_name>.yaml``.
     Its return value goes to Hydra (a sweeper optimises it)."""
     expected = (*EXPECTED, *task.errors)
+    quiet_library_notices()
 
     @hydra.main(version_base="1.3", config_path=str(CONF), config_name=config_name)
     def run(cfg: DictConfig) -> Any:

@@ -3,8 +3,10 @@ the results table and ``metrics.json`` at the end. Rank 0 only."""
 
 import csv
 import json
+import logging
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,9 +20,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
-from rich.syntax import Syntax
 from rich.table import Table
-from rich.tree import Tree
 
 from src.template.sweeps import in_multirun
 from src.template.task import Task
@@ -108,17 +108,42 @@ def check_writable(folder: Path) -> None:
 
 @rank_zero_only
 def show_config(cfg: DictConfig) -> None:
-    """Print the resolved config as a tree (one branch per group) and save it as YAML."""
-    tree = Tree("config", guide_style="dim")
-    for key, value in cfg.items():
-        text = OmegaConf.to_yaml(value, resolve=True) if isinstance(value, DictConfig) else value
-        # Wrapped, not cut at the console's width: paths are read and copied from here.
-        syntax = Syntax(str(text).rstrip(), "yaml", theme="ansi_dark", word_wrap=True)
-        tree.add(f"[bold]{key}[/]").add(syntax)
-    console.print(tree)
+    """Save the resolved config as YAML in the output folder and say where, in one line (the
+    whole tree: ``--cfg job``, or the file)."""
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    console.print(f"{cfg.task_name}: config and outputs in {out}", soft_wrap=True, highlight=False)
+
+
+# Library notices that tell a user of this template nothing: Lightning's hardware summary,
+# its advertisements, its checkpoint-restoring chatter, and messages about its own internals.
+QUIET_INFO = (
+    "GPU available", "TPU available", "HPU available", "💡 Tip", "`Trainer(limit_",
+    "Trainer already configured with model summary", "Restoring states from the checkpoint",
+    "Loaded model weights from the checkpoint",
+)  # fmt: skip
+QUIET_WARNINGS = (
+    # SLURM is installed here but this job is not one of its tasks: that is a choice.
+    (r"The `srun` command is available on your system but is not used", UserWarning),
+    # Lightning 2.6's own use of a torch API torch deprecated: nothing a user can change.
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+)
+
+
+def quiet_library_notices() -> None:
+    """Silence, by message, the notices in :data:`QUIET_INFO` and :data:`QUIET_WARNINGS`; every
+    other warning and message still shows."""
+    for message, category in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message, category)
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, NoticeFilter) for f in rank_zero.filters):
+        rank_zero.addFilter(NoticeFilter())
+
+
+class NoticeFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(QUIET_INFO)
 
 
 @rank_zero_only

@@ -132,5 +132,5 @@ class SystemMetrics(Callback):
 
 def next_step(logger: Any) -> int:
     """A resumed job's first step: after the last one of its run (read when it reopened it)."""
-    steps = [step for key, step in logger._last_step.items() if key.startswith(PREFIX)]
+    steps = [step for key, step in logger.last_step.items() if key.startswith(PREFIX)]
     return max(steps, default=-1) + 1

@@ -61,7 +61,7 @@ class EpochMLFlowLogger(MLFlowLogger):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.continued = kwargs.get("run_id") is not None
-        self._last_step: dict[str, int] = {}  # a continued run's last step per metric
+        self.last_step: dict[str, int] = {}  # per metric; a continued run's, read when reopened
         self.cut_epoch: int | None = None
         self.outbox: Outbox | None = None  # with a server: set by send_through_outbox
         self.sender: Sender | None = None
@@ -91,13 +91,10 @@ class EpochMLFlowLogger(MLFlowLogger):
             return
         step = int(epoch) if epoch is not None else step
         if self.continued and step is not None:
-            metrics = {key: v for key, v in metrics.items() if step > self._logged_until(key)}
+            metrics = {k: v for k, v in metrics.items() if step > self.last_step.get(k, -1)}
         if metrics:
             super().log_metrics(metrics, step=step)
-            self._last_step.update(dict.fromkeys(metrics, step if step is not None else -1))
-
-    def _logged_until(self, key: str) -> int:
-        return self._last_step.get(key, -1)  # read from the run when it was reopened
+            self.last_step.update(dict.fromkeys(metrics, step if step is not None else -1))
 
 
 def build_loggers(
@@ -312,9 +309,9 @@ def reopen_run(logger: EpochMLFlowLogger, params: Mapping[str, Any]) -> None:
     old = run.data.params
     changed = [f"{k}: {old[k]} -> {v}" for k, v in params.items() if k in old and old[k] != str(v)]
     logger.experiment.update_run(logger.run_id, status="RUNNING")
-    for key in run.data.metrics:  # now, while the server answers: see _logged_until
+    for key in run.data.metrics:  # now, while the server answers: see log_metrics
         history = logger.experiment.get_metric_history(logger.run_id, key)
-        logger._last_step[key] = max((m.step for m in history), default=-1)
+        logger.last_step[key] = max((m.step for m in history), default=-1)
     # The first job's tags stay; this job's differing ones (command, folder) go under resume.<n>.
     tags = {
         f"resume.{count}.{key}": value

@@ -5,14 +5,11 @@ from pathlib import Path
 
 import lightning.pytorch as L
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import (
-    Callback,
-    RichModelSummary,
-    RichProgressBar,
-    TQDMProgressBar,
-)
+from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.model_summary import ModelSummary
 from omegaconf import DictConfig, OmegaConf
 
 from src.template.checkpoint import AtomicCheckpointIO, BestCheckpoint, LastCheckpoint
@@ -39,7 +36,7 @@ SET_BY_TEMPLATE = {
     "logger": "the logger group (logger=mlflow|csv|none)",
     "callbacks": "the callbacks group (callbacks.extra for your own)",
     "enable_progress_bar": "callbacks.progress_bar",
-    "enable_model_summary": "the task (training only)",
+    "enable_model_summary": "callbacks.model_summary_depth (model_summary.txt)",
     "default_root_dir": "paths.output_dir",
     "plugins": "the template (atomic checkpoint writes, SLURM)",
 }
@@ -111,9 +108,23 @@ def build_callbacks(cfg: DictConfig, monitor: tuple[str, str] | None) -> list[Ca
     )
     last = LastCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt.every_n_train_steps)
     silence_resume_warning()
-    callbacks += [best, last, MidEpochState()]
-    callbacks.append(RichModelSummary(max_depth=cfg.callbacks.model_summary_depth))
-    return callbacks
+    summary = ModelSummaryFile(
+        ckpt_dir.parent / "model_summary.txt", cfg.callbacks.model_summary_depth
+    )
+    return [*callbacks, best, last, MidEpochState(), summary]
+
+
+class ModelSummaryFile(Callback):
+    """The model summary (layers, shapes, parameters, FLOPs) in the output folder, not on the
+    console: rank 0, at the start of fitting."""
+
+    def __init__(self, path: Path, max_depth: int) -> None:
+        self.path, self.max_depth = path, max_depth
+
+    @rank_zero_only
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(f"{ModelSummary(pl_module, max_depth=self.max_depth)}\n")
 
 
 def plugins(processes: int) -> list:
@@ -141,7 +152,7 @@ def build_trainer(
         logger=loggers or False,
         callbacks=list(callbacks),
         enable_progress_bar=cfg.callbacks.progress_bar != "none",
-        enable_model_summary=fitting,
+        enable_model_summary=False,  # ModelSummaryFile
         default_root_dir=cfg.paths.output_dir,
         plugins=plugins(processes),
         **OmegaConf.to_container(cfg.trainer, resolve=True),
