@@ -300,6 +300,22 @@ def test_missing_files_without_download(tmp_path: Path) -> None:
     assert str(tmp_path / "MNIST" / "raw") in str(info.value) and "data.root" in str(info.value)
 
 
+@pytest.mark.parametrize("download", [False, True])
+def test_missing_files_message_names_only_the_missing_ones(tmp_path: Path, download: bool) -> None:
+    make_dataset(tmp_path, n_train=20, n_test=7)
+    raw = tmp_path / "MNIST" / "raw"
+    for name in FILES[2:]:  # the test split's two files
+        (raw / f"{name}.gz").unlink()
+    dm = make_module(tmp_path, download=download)
+    dm.spec = dataclasses.replace(dm.spec, mirrors=(f"http://127.0.0.1:{closed_port()}/",))
+    with pytest.raises(DataError) as info:
+        dm.prepare_data()  # without download, or with a download that fails
+    message = str(info.value)
+    assert f"missing {FILES[2]}.gz, {FILES[3]}.gz;" in message
+    assert not any(name in message for name in FILES[:2]), "present files are not named"
+    assert sorted(p.name for p in raw.iterdir()) == sorted(f"{n}.gz" for n in FILES[:2])
+
+
 def test_unknown_dataset_name(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="fashion_mnist"):
         make_module(tmp_path, name="cifar")
