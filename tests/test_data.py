@@ -6,7 +6,10 @@ import dataclasses
 import functools
 import hashlib
 import http.server
+import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +22,11 @@ from torch.utils.data import DataLoader
 
 from src.task.data.mnist import DATASETS, FILES, MNISTDataModule, download, load_split, read_idx
 from src.template.data import Batch, DataError, ImageBatches, keep_batch
+from tests.conftest import PROJECT
 from tests.idx_data import idx_bytes, make_dataset, write_idx
+from tests.real_data import DATA_DIR_ENV, real_data_dir
 
-SHARED_DATA = Path(__file__).parents[2] / "shared" / "data"
+SHARED_DATA = real_data_dir()  # $TEMPLATE_DATA_DIR, else ../shared/data
 
 
 # --- helpers
@@ -344,7 +349,23 @@ def _require(folder: str, *names: str) -> None:
     raw = SHARED_DATA / folder / "raw"
     absent = [n for n in names if not (raw / f"{n}.gz").exists() and not (raw / n).exists()]
     if absent:
-        pytest.skip(f"real data not available: {raw} lacks {', '.join(absent)}")
+        pytest.skip(
+            f"real data not available: {raw} lacks {', '.join(absent)} "
+            f"(set {DATA_DIR_ENV} to a folder that holds {folder}/raw/)"
+        )
+
+
+def test_real_data_folder_is_taken_from_the_environment(tmp_path: Path) -> None:
+    """The real-data tests look where TEMPLATE_DATA_DIR says, and skip naming that folder."""
+    env = {**os.environ, DATA_DIR_ENV: str(tmp_path), "PYTHONPATH": str(PROJECT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", f"{__file__}::test_real_fashion_mnist", "-rs", "-p",
+         "no:cacheprovider"],
+        cwd=PROJECT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-2000:]
+    assert f"{tmp_path / 'FashionMNIST' / 'raw'} lacks" in proc.stdout.replace("\n", "")
+    assert f"set {DATA_DIR_ENV} to a folder" in proc.stdout
 
 
 def test_real_fashion_mnist() -> None:
