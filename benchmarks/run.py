@@ -1,7 +1,9 @@
 """The template against the raw-PyTorch limit: ``python -m benchmarks.run [--tiny]``.
 
-Prints one table and writes it as JSON (``benchmarks/results.json`` by default). Each figure is
-the median (min-max) of ``--repeats`` runs; on shared machines the ratios are what matter.
+Prints one table and writes it as JSON to ``outputs/benchmarks/results.json`` (git-ignored;
+``--out benchmarks/results.json`` updates the published figures). Each figure is the median
+(min-max) of ``--repeats`` runs; on shared machines the ratios are what matter. Fashion-MNIST is
+read from ``$TEMPLATE_DATA_DIR`` (default ``../shared/data``); without it, rows 6 are skipped.
 
 1. limit: a plain PyTorch loop over the same ConvNet, data tensors and batch size
 2. template: ``python -m src.train`` itself, in this process (all callbacks, rich progress bar),
@@ -36,8 +38,11 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.data import DataLoader, Dataset
 
+from tests.real_data import DATA_DIR_ENV, real_data_dir
+
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
+SHARED_DATA = real_data_dir()  # $TEMPLATE_DATA_DIR, else ../shared/data
+DEFAULT_OUT = ROOT / "outputs" / "benchmarks" / "results.json"  # git-ignored
 WARMUP = 3  # steps left out of every throughput figure
 console = Console()
 
@@ -476,7 +481,7 @@ def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict
         rows["6. whole default job, test accuracy"] = summary([accuracy for _, accuracy in jobs])
     else:
         rows["6. whole default job on Fashion-MNIST"] = {
-            "skipped": "needs ../shared/data, not --tiny"
+            "skipped": f"needs Fashion-MNIST in ${DATA_DIR_ENV} ({SHARED_DATA}), not --tiny"
         }
     # The whole official training split (train + validation): 60,000 images for Fashion-MNIST.
     images = torch.cat([train_set.inputs, datamodule.val_set.inputs])
@@ -515,14 +520,24 @@ def show(results: dict) -> None:
     console.print("slowest imports of src.train (s):", results["slowest_imports_of_src.train_s"])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="small generated data, 1 repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150, help="training steps per throughput run")
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results.json")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="where the JSON goes (default: outputs/benchmarks/results.json, not tracked; "
+        "benchmarks/results.json is the published one)",
+    )
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     repeats, steps = (1, 10) if args.tiny else (args.repeats, args.steps)
     with tempfile.TemporaryDirectory() as workdir:
         results = run(args.tiny, repeats, steps, args.batch, Path(workdir))

@@ -10,11 +10,22 @@ import pytest
 
 from tests.conftest import PROJECT
 
-pytestmark = pytest.mark.slow
+
+def test_results_go_outside_the_tracked_tree_by_default() -> None:
+    from benchmarks.run import parse_args
+
+    out = parse_args([]).out
+    assert out == PROJECT / "outputs" / "benchmarks" / "results.json"
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(out)], cwd=PROJECT)
+    assert ignored.returncode == 0, f"{out} is not git-ignored"
+    published = PROJECT / "benchmarks" / "results.json"
+    assert parse_args(["--out", str(published)]).out == published, "written only when asked"
 
 
+@pytest.mark.slow
 def test_benchmark_tiny_mode_reports_every_row(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
+    published = (PROJECT / "benchmarks" / "results.json").read_bytes()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--tiny", "--out", str(out)],
         cwd=PROJECT, capture_output=True, text=True, timeout=900,
@@ -35,3 +46,4 @@ def test_benchmark_tiny_mode_reports_every_row(tmp_path: Path) -> None:
     assert results["machine"]["cores"] >= 1 and results["machine"]["torch"]
     assert results["slowest_imports_of_src.train_s"], "the import profile is recorded"
     assert "Template vs. raw PyTorch" in proc.stdout
+    assert (PROJECT / "benchmarks" / "results.json").read_bytes() == published, "left as it was"

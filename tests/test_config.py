@@ -59,6 +59,10 @@ def test_group_option_composes_and_builds(name: str, override: str, tmp_path: Pa
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     if cfg.data.name == "image_folder":
         make_image_folder(Path(cfg.data.root), n_train=2, n_test=1)
+    if cfg.accelerator == "gpu" and not torch.cuda.is_available():  # trainer=gpu
+        with pytest.raises(ConfigError, match="accelerator=gpu but no GPU is visible here"):
+            check_settings(cfg, fitting=name == "train")
+        pytest.skip(f"{override} needs a GPU to build; here it composes and is refused")
     check_settings(cfg, fitting=name == "train")  # every shipped option passes the checks
     check_keys("data", cfg.data, TASK.datamodule_class(cfg.data.name))
     model_cfg = OmegaConf.to_container(

@@ -6,7 +6,10 @@ import dataclasses
 import functools
 import hashlib
 import http.server
+import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +23,11 @@ from torch.utils.data import DataLoader
 from src.task.data.images import Normalize
 from src.task.data.mnist import DATASETS, FILES, MNISTDataModule, download, load_split, read_idx
 from src.template.data import Batch, DataError, TensorSplit, keep_batch
+from tests.conftest import PROJECT
 from tests.idx_data import idx_bytes, make_dataset, write_idx
+from tests.real_data import DATA_DIR_ENV, real_data_dir
 
-SHARED_DATA = Path(__file__).parents[2] / "shared" / "data"
+SHARED_DATA = real_data_dir()  # $TEMPLATE_DATA_DIR, else ../shared/data
 
 
 # --- helpers
@@ -305,6 +310,22 @@ def test_missing_files_without_download(tmp_path: Path) -> None:
     assert str(tmp_path / "MNIST" / "raw") in str(info.value) and "data.root" in str(info.value)
 
 
+@pytest.mark.parametrize("download", [False, True])
+def test_missing_files_message_names_only_the_missing_ones(tmp_path: Path, download: bool) -> None:
+    make_dataset(tmp_path, n_train=20, n_test=7)
+    raw = tmp_path / "MNIST" / "raw"
+    for name in FILES[2:]:  # the test split's two files
+        (raw / f"{name}.gz").unlink()
+    dm = make_module(tmp_path, download=download)
+    dm.spec = dataclasses.replace(dm.spec, mirrors=(f"http://127.0.0.1:{closed_port()}/",))
+    with pytest.raises(DataError) as info:
+        dm.prepare_data()  # without download, or with a download that fails
+    message = str(info.value)
+    assert f"missing {FILES[2]}.gz, {FILES[3]}.gz;" in message
+    assert not any(name in message for name in FILES[:2]), "present files are not named"
+    assert sorted(p.name for p in raw.iterdir()) == sorted(f"{n}.gz" for n in FILES[:2])
+
+
 def test_unknown_dataset_name(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="fashion_mnist"):
         make_module(tmp_path, name="cifar")
@@ -333,7 +354,23 @@ def _require(folder: str, *names: str) -> None:
     raw = SHARED_DATA / folder / "raw"
     absent = [n for n in names if not (raw / f"{n}.gz").exists() and not (raw / n).exists()]
     if absent:
-        pytest.skip(f"real data not available: {raw} lacks {', '.join(absent)}")
+        pytest.skip(
+            f"real data not available: {raw} lacks {', '.join(absent)} "
+            f"(set {DATA_DIR_ENV} to a folder that holds {folder}/raw/)"
+        )
+
+
+def test_real_data_folder_is_taken_from_the_environment(tmp_path: Path) -> None:
+    """The real-data tests look where TEMPLATE_DATA_DIR says, and skip naming that folder."""
+    env = {**os.environ, DATA_DIR_ENV: str(tmp_path), "PYTHONPATH": str(PROJECT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", f"{__file__}::test_real_fashion_mnist", "-rs", "-p",
+         "no:cacheprovider"],
+        cwd=PROJECT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-2000:]
+    assert f"{tmp_path / 'FashionMNIST' / 'raw'} lacks" in proc.stdout.replace("\n", "")
+    assert f"set {DATA_DIR_ENV} to a folder" in proc.stdout
 
 
 def test_real_fashion_mnist() -> None:

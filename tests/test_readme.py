@@ -53,7 +53,7 @@ SKIPPED: dict[str, str] = {
     r"^srun\b": "runs inside an sbatch allocation on a SLURM cluster",
     r"\bmodel=mlp\b": "the network that 'Make it yours' adds: tests/test_make_it_yours.py adds it "
     "to a copy of the project and runs these",
-    r"accelerator=gpu|--gpus\b": "needs a GPU",
+    r"accelerator=gpu|trainer=gpu\b|--gpus\b": "needs a GPU",
     r"\$SKYPILOT_": "runs on the nodes of a SkyPilot cluster",
 }
 

@@ -99,16 +99,3 @@ def test_optuna_search_trains_each_trial_on_every_rank(tiny_root: Path, tmp_path
     assert result.best_value == pytest.approx(best)
     study = optuna.load_study(study_name="convnet-mnist", storage=storage)
     assert len(study.trials) == 3 and study.best_value == pytest.approx(best)
-
-
-def test_optuna_study_resumes_where_it_stopped(tiny_root: Path, tmp_path: Path) -> None:
-    for n_trials in (1, 2):  # the same command again, asking for one trial more
-        run_entry(
-            "train", "-m", "hparams_search=convnet_optuna", *sweep_overrides(tiny_root),
-            f"hydra.sweeper.n_trials={n_trials}", cwd=tmp_path,
-        )  # fmt: skip
-    _, second = sweep_folders(tmp_path)
-    assert sorted(p.name for p in second.iterdir() if p.is_dir()) == ["1"]
-    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
-    study = optuna.load_study(study_name="convnet-mnist", storage=storage)
-    assert [trial.number for trial in study.trials] == [0, 1]

@@ -120,16 +120,18 @@ def _missing(raw: Path) -> list[str]:
 
 
 def _offline_message(raw: Path, download: bool, detail: str = "") -> str:
-    names = ", ".join(f"{n}.gz" for n in FILES)
+    """Names only the files that are missing (all four when the folder is empty)."""
+    missing = _missing(raw) or list(FILES)
+    names = ", ".join(f"{n}.gz" for n in missing)
     way_out = (
         "or check this machine's internet access (the download was tried)"
         if download
         else "or set data.download=true to fetch them from the public mirrors"
     )
     return (
-        f"MNIST-format data not found in {raw} (need {names}; extracted files work too). "
-        f"Fix: set data.root=... to a folder containing {raw.parent.name}/raw/ with these files, "
-        f"{way_out}." + (f" {detail}" if detail else "")
+        f"MNIST-format data not found in {raw} (missing {names}; extracted files work too). "
+        f"Fix: set data.root=... to a folder containing {raw.parent.name}/raw/ with all four "
+        f"files, {way_out}." + (f" {detail}" if detail else "")
     )
 
 
