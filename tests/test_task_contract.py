@@ -1,0 +1,223 @@
+"""The proof of the task contract (issue #25): in a copy of the project, the image classifier is
+deleted and a regression on synthetic vectors (``tests/regression_task/``) takes its place by
+edits to ``src/task/`` and ``conf/`` only, the README's "Make it yours" steps for another kind of
+task. The unchanged machinery then trains it on 1 and 2 ranks (the same metrics), evaluates and
+predicts with its checkpoint, sweeps it, logs it as an MLflow model and serves it."""
+
+import csv
+import filecmp
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from tests.conftest import PROJECT, read_metrics, run_entry
+from tests.test_serving import served
+
+REGRESSION = PROJECT / "tests" / "regression_task"  # laid out as the project: src/task/, conf/
+TASK_PATHS = ("src/task", "conf")  # all a forker edits
+LEFT_OUT = {".git", ".venv", "outputs", "data", "mlruns", "mlartifacts", "wheelhouse", "mlflow.db",
+            "optuna.db", ".pytest_cache", ".ruff_cache"}  # fmt: skip
+# conf/data/synthetic.yaml: sizes no world size of 2 or 3 divides
+N_TEST, VAL_SIZE, FEATURES = 73, 43, 8
+TINY = ["trainer.max_epochs=2", "callbacks.progress_bar=none"]
+SHOWN = 5  # test vectors sent to the served model
+
+
+def leave_out(folder: str, names: list[str]) -> list[str]:
+    at_top = Path(folder) == PROJECT
+    return [n for n in names if (at_top and n in LEFT_OUT) or n == "__pycache__"]
+
+
+def set_line(path: Path, pattern: str, line: str) -> None:
+    """Replace the one line of ``path`` that matches ``pattern`` (a regex) with ``line``."""
+    text, count = re.subn(rf"(?m)^{pattern}.*$", line, path.read_text())
+    assert count == 1, f"{pattern!r} in {path}"
+    path.write_text(text)
+
+
+def make_it_a_regression(copy: Path) -> None:
+    """The README's steps for another kind of task, in ``copy``."""
+    # 1. Delete the image task: its package and the configs of its datasets and networks.
+    shutil.rmtree(copy / "src" / "task")
+    for group in ("data", "model", "experiment", "hparams_search"):
+        for path in (copy / "conf" / group).glob("*.yaml"):
+            path.unlink()
+    # 2. Write the new one: src/task/ (TASK and what it names), conf/data/, conf/model/.
+    shutil.copytree(REGRESSION, copy, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__py*"))
+    # 3. Point the entry points' defaults at it, and the sweep metric at one of its metrics.
+    for entry in ("train", "eval", "predict"):
+        set_line(copy / "conf" / f"{entry}.yaml", "  - data:", "  - data: synthetic")
+    set_line(copy / "conf" / "train.yaml", "  - model:", "  - model: mlp")
+    set_line(copy / "conf" / "train.yaml", "optimized_metric:", "optimized_metric: val/loss")
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    copy = tmp_path_factory.mktemp("regression") / "project"
+    shutil.copytree(PROJECT, copy, ignore=leave_out)
+    make_it_a_regression(copy)
+    return copy
+
+
+def files(root: Path) -> set[str]:
+    return {
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+def run(project: Path, entry: str, *overrides: str) -> None:
+    run_entry(entry, *overrides, cwd=project, env={"PYTHONPATH": str(project)})
+
+
+def test_only_the_task_and_its_configs_change(project: Path) -> None:
+    """Every file outside src/task/ and conf/ is the original's, byte for byte (the machinery
+    in src/template/ and the entry points included); nothing of the image task is left."""
+    edited = tuple(f"{path}/" for path in TASK_PATHS)
+    original = {p for p in files(PROJECT) if p.split("/")[0] not in LEFT_OUT}
+    outside = sorted(p for p in files(project) if not p.startswith(edited))
+    assert outside == sorted(p for p in original if not p.startswith(edited))
+    _, mismatch, errors = filecmp.cmpfiles(PROJECT, project, outside, shallow=False)
+    assert not mismatch and not errors, mismatch + errors
+    assert any(p.startswith("src/template/") for p in outside)
+    assert files(project / "src" / "task") == {
+        f"{name}.py" for name in ("__init__", "data", "model", "export", "served_model", "report")
+    }
+    assert files(project / "conf" / "data") == {"synthetic.yaml"}
+    assert files(project / "conf" / "model") == {"mlp.yaml"}
+
+
+@pytest.fixture(scope="module")
+def trained(project: Path) -> Path:
+    """One training job on 1 rank with the defaults: MLflow in the copy's ./mlflow.db."""
+    run_dir = project / "runs" / "one-rank"
+    run(project, "train", *TINY, f"hydra.run.dir={run_dir}")
+    return run_dir
+
+
+def best_checkpoint(run_dir: Path) -> Path:
+    (best,) = (run_dir / "checkpoints").glob("epoch*-loss*.ckpt")  # named by val/loss
+    return best
+
+
+def assert_same_metrics(metrics: dict[str, float], expected: dict[str, float]) -> None:
+    """Sample counts exactly, the rest up to float32 summation order (a few ulps)."""
+    assert metrics.keys() == expected.keys()
+    for name, value in expected.items():
+        if name.endswith("/samples"):
+            assert metrics[name] == value, name
+        else:
+            assert metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
+
+
+@pytest.mark.slow
+def test_two_ranks_train_as_one(project: Path, trained: Path) -> None:
+    one = read_metrics(trained)
+    assert {"train/loss", "train/mae", "val/loss", "test/loss", "test/mae"} <= one.keys()
+    assert one["test/samples"] == N_TEST and one["val/samples"] == VAL_SIZE
+    assert one["test/loss"] < 2.0, "it learned: the test targets' variance is 8.8"
+    assert (trained / "figures" / "predicted_vs_target_test.png").stat().st_size > 0
+    two = project / "runs" / "two-ranks"
+    run(project, "train", *TINY, "strategy=ddp", "devices=2", "logger=none",
+        f"hydra.run.dir={two}")  # fmt: skip
+    assert_same_metrics(read_metrics(two), one)
+
+
+@pytest.mark.slow
+def test_eval_on_one_and_two_ranks(project: Path, trained: Path) -> None:
+    ckpt = best_checkpoint(trained)
+    results = {}
+    for devices in (1, 2):
+        out = project / "runs" / f"eval{devices}"
+        run(project, "eval", f"ckpt_path={ckpt}", "strategy=ddp", f"devices={devices}",
+            "logger=none", "callbacks.progress_bar=none", f"hydra.run.dir={out}")  # fmt: skip
+        results[devices] = read_metrics(out)
+    assert results[1]["test/samples"] == N_TEST
+    assert_same_metrics(results[2], results[1])
+    tested = {k: v for k, v in read_metrics(trained).items() if k.startswith("test/")}
+    assert_same_metrics(results[1], tested)  # the job tested the same best checkpoint
+
+
+def synthetic_test_split(project: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The synthetic test split, read by the copy's own data module."""
+    spec = importlib.util.spec_from_file_location("regression_data", project / "src/task/data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    settings = yaml.safe_load((project / "conf" / "data" / "synthetic.yaml").read_text())
+    settings.pop("shuffle_seed")  # ${seed}: not needed to read
+    inputs, targets = module.SyntheticDataModule(**settings).read("test")
+    return inputs.numpy(), targets.numpy()
+
+
+@pytest.mark.slow
+def test_predict_and_the_served_model_agree(project: Path, trained: Path) -> None:
+    """src.predict on 2 ranks writes the regression's own columns for every test sample once,
+    in index order; the job's MLflow model (float32 vectors in, a prediction out), served by
+    ``mlflow models serve``, predicts the same values."""
+    out = project / "runs" / "predict"
+    run(project, "predict", f"ckpt_path={best_checkpoint(trained)}", "strategy=ddp", "devices=2",
+        "callbacks.progress_bar=none", f"hydra.run.dir={out}")  # fmt: skip
+    with (out / "predictions_test.csv").open() as file:
+        reader = csv.DictReader(file)
+        rows = list(reader)
+    assert reader.fieldnames == ["index", "target", "predicted"]
+    assert [int(row["index"]) for row in rows] == list(range(N_TEST))
+    inputs, targets = synthetic_test_split(project)
+    assert inputs.dtype == np.float32 and inputs.shape == (N_TEST, FEATURES)
+    assert [float(row["target"]) for row in rows] == targets.tolist()
+    assert read_metrics(out)["predict/samples"] == N_TEST
+
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    run_id = (trained / "mlflow_run_id.txt").read_text().strip()
+    experiment = client.get_experiment_by_name("synthetic").experiment_id
+    (model,) = client.search_logged_models([experiment], f"source_run_id = '{run_id}'")
+    assert str(model.status) == "READY"
+    assert {m.key for m in model.metrics} == {"test/loss", "test/mae", "test/samples"}
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
+    try:
+        signature = mlflow.models.get_model_info(f"models:/{model.model_id}").signature
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert signature.inputs.to_dict() == [
+        {"type": "tensor", "tensor-spec": {"dtype": "float32", "shape": (-1, FEATURES)}}
+    ]
+    assert signature.outputs.to_dict() == [{"type": "float", "name": "predicted", "required": True}]
+
+    answers = served(f"models:/{model.model_id}", project, inputs[:SHOWN])
+    predicted = [float(row["predicted"]) for row in rows[:SHOWN]]
+    assert [answer["predicted"] for answer in answers] == pytest.approx(predicted, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_sweep_of_two_learning_rates(project: Path) -> None:
+    """Hydra's basic launcher runs both jobs; src.register picks the one of lowest val/loss."""
+    sweep = project / "sweep"
+    run(project, "train", "-m", "model.lr=0.01,0.03", *TINY, f"hydra.sweep.dir={sweep}")
+    losses = {}
+    for job, lr in (("0", 0.01), ("1", 0.03)):
+        assert yaml.safe_load((sweep / job / "config.yaml").read_text())["model"]["lr"] == lr
+        metrics = read_metrics(sweep / job)
+        assert metrics["test/samples"] == N_TEST
+        losses[job] = metrics["val/loss"]
+    best = min(losses, key=losses.get)
+    done = subprocess.run(
+        [sys.executable, "-m", "src.register", str(sweep), "--name", "regression", "--lowest"],
+        cwd=project, env={**os.environ, "PYTHONPATH": str(project)}, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"registered regression version 1: {sweep / best} (val/loss=")
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    (version,) = client.search_model_versions("name = 'regression'")
+    assert version.run_id == (sweep / best / "mlflow_run_id.txt").read_text().strip()
