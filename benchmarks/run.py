@@ -72,7 +72,7 @@ def raw_loop(train_set, batch: int, steps: int) -> float:
         if step == WARMUP:
             start = time.perf_counter()
         index = order[(step * batch) % (len(order) - batch) :][:batch]
-        x = images[index].float().div_(255).sub_(train_set.mean).div_(train_set.std)
+        x = train_set.transform(images[index])  # normalise, as the data module does
         loss = F.cross_entropy(net(x), labels[index])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -264,7 +264,7 @@ def raw_device_loop(train_set, batch: int, steps: int, device: str, fast: bool) 
     forward = torch.compile(net) if fast else net
     optimizer = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-4)
     images, labels = train_set.inputs.to(device), train_set.targets.to(device)
-    mean, std = train_set.mean.to(device), train_set.std.to(device)
+    mean, std = train_set.transform.mean.to(device), train_set.transform.std.to(device)
     order = torch.randperm(len(labels), device=device)
     start = 0.0
     for step in range(WARMUP + steps):

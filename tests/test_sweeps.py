@@ -7,9 +7,11 @@ from pathlib import Path
 
 import optuna
 import pytest
+import torch
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
+from src.template.distributed import hparams_digest
 from tests.conftest import run_entry, tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -33,9 +35,16 @@ def runs_by_job(store: Path) -> dict[int, object]:
 
 
 def rank_lines(job_dir: Path) -> list[str]:
-    """What each rank of a job logged about the world and lr it trained with."""
+    """What each rank of a job logged about the world and hyperparameters it trained with."""
     logs = [job_dir / "train.log", *sorted(job_dir.glob("train_ddp_process_*.log"))]
     return [line for log in logs for line in log.read_text().splitlines() if " fit: " in line]
+
+
+def trained_lr(job_dir: Path) -> tuple[float, str]:
+    """The lr in the job's checkpoint and the digest its ranks log of its hyperparameters."""
+    saved = torch.load(job_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    hparams = saved["hyper_parameters"]
+    return hparams["lr"], f"hyperparameters md5 {hparams_digest(hparams)}"
 
 
 def test_ddp_sweep_runs_every_job_once_with_its_own_world(tiny_root: Path, tmp_path: Path) -> None:
@@ -59,8 +68,10 @@ def test_ddp_sweep_runs_every_job_once_with_its_own_world(tiny_root: Path, tmp_p
     for job, (world, lr) in expected.items():
         lines = rank_lines(sweep / str(job))
         assert len(lines) == int(world), "one line per rank, each in the job's own folder"
+        trained, digest = trained_lr(sweep / str(job))
+        assert trained == float(lr)
         for rank, line in enumerate(lines):
-            assert f"rank {rank}/{world} " in line and f"lr {lr}," in line
+            assert f"rank {rank}/{world} " in line and digest in line
 
 
 def test_failed_sweep_job_is_reported_and_the_next_runs(tiny_root: Path, tmp_path: Path) -> None:
@@ -92,8 +103,9 @@ def test_optuna_search_trains_each_trial_on_every_rank(tiny_root: Path, tmp_path
         assert run.data.params["world_size"] == "2"
         lines = rank_lines(sweep / str(job))
         assert len(lines) == 2
-        lr = run.data.params["model.lr"]
-        assert all(f"lr {lr}," in line for line in lines), "both ranks train the trial's lr"
+        trained, digest = trained_lr(sweep / str(job))
+        assert trained == float(run.data.params["model.lr"])
+        assert all(digest in line for line in lines), "both ranks train the trial's lr"
     result = OmegaConf.load(sweep / "optimization_results.yaml")
     best = max(run.data.metrics["val/acc_best"] for run in runs.values())
     assert result.best_value == pytest.approx(best)

@@ -7,7 +7,7 @@ processes live with the data: :mod:`src.template.data`, :mod:`src.template.resum
 import hashlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -198,6 +198,12 @@ def use_sync_batchnorm(wanted: bool, model: nn.Module, accelerator: str) -> bool
     return False
 
 
+def hparams_digest(hparams: Mapping[str, Any]) -> str:
+    """A short digest of a model's hyperparameters (as saved in its checkpoints): equal on
+    every rank that trains the same model."""
+    return hashlib.md5(repr(sorted(dict(hparams).items())).encode()).hexdigest()[:8]
+
+
 class LogRankSetup(Callback):
     """Each rank writes what it really runs with to its own log (Hydra gives every rank a file):
     the proof, after the fact, that ranks agree on hyperparameters and do not oversubscribe."""
@@ -207,7 +213,7 @@ class LogRankSetup(Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         backend = getattr(trainer.strategy, "process_group_backend", None) or "none"
-        hparams = hashlib.md5(repr(sorted(pl_module.hparams.items())).encode()).hexdigest()[:8]
+        hparams = hparams_digest(pl_module.hparams)
         log.info(
             "rank %d/%d (node %d, local %d) %s: backend %s, %d CPU threads, per-device batch %s, "
             "hyperparameters md5 %s",
