@@ -91,12 +91,14 @@ class ImageClassifier(L.LightningModule):
         metrics["samples"].update(
             batch.labels.new_full((), batch.labels.numel(), dtype=torch.float)
         )
-        for name, metric in metrics.items():
-            # Metric objects are computed (and synced across ranks) once, at epoch end.
-            self.log(
-                f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name == "acc"
-            )
         return losses.mean()
+
+    def _log_epoch(self, stage: str) -> None:
+        """Log the stage's metric objects once, at its epoch's end (never per step: Lightning's
+        result collection would process each logged object at every step). Lightning then
+        computes them (torchmetrics syncs the states across ranks once) and resets them."""
+        for name, metric in getattr(self, f"{stage}_metrics").items():
+            self.log(f"{stage}/{name}", metric, on_epoch=True, prog_bar=name == "acc")
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
@@ -115,11 +117,13 @@ class ImageClassifier(L.LightningModule):
     on_train_epoch_start = on_train_start
 
     def on_train_epoch_end(self) -> None:
+        self._log_epoch("train")
         # Logged at the epoch end like the other epoch metrics (step = epoch), so an epoch cut
         # by a stop is logged once, by the job that completes it.
         self.log("train/lr", self.epoch_lr, on_epoch=True, sync_dist=True, reduce_fx="max")
 
     def on_validation_epoch_end(self) -> None:
+        self._log_epoch("val")  # in the sanity check too: Lightning resets what it logged
         if self.trainer.sanity_checking:  # a couple of batches: not a real accuracy
             return
         self.val_acc_best.update(self.val_metrics["acc"].compute())
@@ -132,6 +136,9 @@ class ImageClassifier(L.LightningModule):
             sync_dist=True,
             reduce_fx="max",
         )
+
+    def on_test_epoch_end(self) -> None:
+        self._log_epoch("test")
 
     def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
         confidence, predicted = self(batch.images).softmax(dim=1).max(dim=1)
