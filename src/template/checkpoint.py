@@ -448,6 +448,18 @@ def load_for_inference(
     return model, datamodule, saved.get("mlflow")
 
 
+def seed_torch(seed: int, device: torch.device) -> None:
+    """``torch.manual_seed(seed)`` for the generators a step on ``device`` draws from: the CPU's
+    and, on a GPU, every GPU's. The full call also queues a seed for each accelerator that is
+    not initialised (CUDA and XPU on a CPU job), saving the Python stack with each: about 0.5 ms
+    inside a training step, per step."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)  # initialised by now: sets each GPU's generator at once
+    elif device.type != "cpu":
+        torch.manual_seed(seed)
+
+
 class SeedEachBatch(Callback):
     """Seeds python, numpy and torch before every training step from (seed, epoch, batch, rank).
 
@@ -465,7 +477,7 @@ class SeedEachBatch(Callback):
         step_seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
         random.seed(step_seed)
         np.random.seed(step_seed)
-        torch.manual_seed(step_seed)
+        seed_torch(step_seed, pl_module.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed}
