@@ -4,6 +4,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -141,3 +142,12 @@ def test_each_step_draws_from_its_own_seed() -> None:
     restored = SeedEachBatch(seed=0)
     restored.load_state_dict(seeding.state_dict())  # the seed travels in the checkpoint
     assert torch.equal(dropout_draws(restored, epoch=1, batch=3, rank=0), first)
+
+
+def test_each_step_seeds_torch_as_manual_seed_does() -> None:
+    """The cheaper per-step seeding leaves the CPU generator where ``torch.manual_seed`` does."""
+    seeding = SeedEachBatch(seed=7)
+    ours = dropout_draws(seeding, epoch=2, batch=5, rank=1)
+    entropy = [7, 2, 5, 1]
+    torch.manual_seed(int(np.random.SeedSequence(entropy).generate_state(1)[0]))
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(64), p=0.5), ours)

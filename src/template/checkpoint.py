@@ -448,16 +448,17 @@ def load_for_inference(
     return model, datamodule, saved.get("mlflow")
 
 
-def seed_torch(seed: int, device: torch.device) -> None:
-    """``torch.manual_seed(seed)`` for the generators a step on ``device`` draws from: the CPU's
-    and, on a GPU, every GPU's. The full call also queues a seed for each accelerator that is
-    not initialised (CUDA and XPU on a CPU job), saving the Python stack with each: about 0.5 ms
-    inside a training step, per step."""
+def seed_torch(seed: int) -> None:
+    """``torch.manual_seed(seed)`` for the generators a training step can draw from: the CPU's
+    and those of the accelerators this process has initialised. ``torch.manual_seed`` also queues
+    a seed for every accelerator not initialised (CUDA and XPU in a CPU job), saving the Python
+    stack with each: about 0.5 ms inside a training step, at every step."""
     torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.manual_seed_all(seed)  # initialised by now: sets each GPU's generator at once
-    elif device.type != "cpu":
-        torch.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)  # each GPU's generator, at once
+    if torch.xpu.is_initialized():
+        torch.xpu.manual_seed_all(seed)
+    torch.mps.manual_seed(seed)  # a no-op where there is no MPS
 
 
 class SeedEachBatch(Callback):
@@ -477,7 +478,7 @@ class SeedEachBatch(Callback):
         step_seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
         random.seed(step_seed)
         np.random.seed(step_seed)
-        seed_torch(step_seed, pl_module.device)
+        seed_torch(step_seed)
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed}
