@@ -219,7 +219,7 @@ def data_overrides(workdir: Path, tiny: bool) -> list[str]:
 
     root = workdir / "step-data"
     if not root.is_dir():
-        make_dataset(root, n_train=2000, n_test=300)
+        make_dataset(root, n_train=3000, n_test=300)  # 18 batches of 128
     return ["data=mnist", f"data.root={root}", "data.download=false", "data.val_size=100"]
 
 
