@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
 from src.task.data import datamodule_class
@@ -14,7 +15,9 @@ from src.task.data.mnist import MNISTDataModule
 from src.task.model import ImageClassifier
 from src.template.checkpoint import (
     AtomicCheckpointIO,
+    BestCheckpoint,
     CheckpointError,
+    LastCheckpoint,
     SeedEachBatch,
     check_fits,
     load_for_inference,
@@ -151,3 +154,11 @@ def test_each_step_seeds_torch_as_manual_seed_does() -> None:
     entropy = [7, 2, 5, 1]
     torch.manual_seed(int(np.random.SeedSequence(entropy).generate_state(1)[0]))
     assert torch.equal(torch.nn.functional.dropout(torch.ones(64), p=0.5), ours)
+
+
+def test_checkpoint_callbacks_keep_lightnings_state_keys(tmp_path: Path) -> None:
+    """Built once, the keys are the ones Lightning builds: checkpoints of either version load."""
+    best = BestCheckpoint(dirpath=tmp_path, monitor="val/acc", mode="max", save_top_k=1)
+    for callback in (best, LastCheckpoint(tmp_path, every_n_train_steps=5)):
+        assert callback.state_key == ModelCheckpoint.state_key.fget(callback)
+        assert callback.state_key is callback.state_key
