@@ -9,27 +9,38 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torchmetrics import MaxMetric, MeanMetric, SumMetric
-from torchmetrics.classification import MulticlassAccuracy
+from torch import Tensor
+from torchmetrics import MaxMetric, Metric
 
 from src.task import nets
 from src.template.data import Batch
 
 
-def stage_metrics(num_classes: int) -> nn.ModuleDict:
-    """``<stage>/loss`` (per-sample mean), ``<stage>/acc`` (micro) and ``<stage>/samples`` (count).
+class StageMetrics(Metric):
+    """``<stage>/loss`` (per-sample mean), ``<stage>/acc`` (micro accuracy) and
+    ``<stage>/samples`` (count), from three sums updated together: one torchmetrics update a
+    step, a few tensor ops, no device-to-host sync. Summed across ranks in ``compute()``, so N
+    ranks report what one rank would."""
 
-    NaN checks and argument validation are off: they force a device-to-host sync on every step,
-    and the data module already validates labels when it reads them.
-    """
-    return nn.ModuleDict(
-        {
-            "loss": MeanMetric(nan_strategy="disable"),
-            "acc": MulticlassAccuracy(num_classes, average="micro", validate_args=False),
-            "samples": SumMetric(nan_strategy="disable"),
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("loss_sum", torch.zeros(()), dist_reduce_fx="sum")
+        self.add_state("correct", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("samples", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, losses: Tensor, logits: Tensor, labels: Tensor) -> None:
+        self.loss_sum += losses.sum()
+        self.correct += (logits.argmax(dim=1) == labels).sum()
+        self.samples += labels.numel()  # a Python number: no host-to-device copy
+
+    def compute(self) -> dict[str, Tensor]:
+        return {
+            "loss": self.loss_sum / self.samples,
+            "acc": self.correct / self.samples,
+            "samples": self.samples.float(),
         }
-    )
 
 
 def is_number(value: Any) -> bool:
@@ -68,9 +79,9 @@ class ImageClassifier(L.LightningModule):
         # torch.compile of the network's forward only: the module (and so the checkpoint keys)
         # stays the plain network, and a plain function is not registered as a submodule.
         self.net_forward = torch.compile(self.net.forward) if compile else self.net.forward
-        self.train_metrics = stage_metrics(num_classes)
-        self.val_metrics = stage_metrics(num_classes)
-        self.test_metrics = stage_metrics(num_classes)
+        self.train_metrics = StageMetrics()
+        self.val_metrics = StageMetrics()
+        self.test_metrics = StageMetrics()
         # Best validation accuracy so far; persistent so a resumed run keeps it.
         self.val_acc_best = MaxMetric(nan_strategy="disable")
         self.val_acc_best.persistent(True)
@@ -84,21 +95,23 @@ class ImageClassifier(L.LightningModule):
     def _step(self, batch: Batch, stage: str) -> torch.Tensor:
         logits = self(batch.images)
         losses = F.cross_entropy(logits, batch.labels, reduction="none")
-        metrics = getattr(self, f"{stage}_metrics")
-        metrics["loss"].update(losses.detach())
-        metrics["acc"].update(logits.detach(), batch.labels)
-        # A device tensor (a fill, no copy): a Python int would be copied host-to-device per step.
-        metrics["samples"].update(
-            batch.labels.new_full((), batch.labels.numel(), dtype=torch.float)
-        )
+        getattr(self, f"{stage}_metrics").update(losses.detach(), logits.detach(), batch.labels)
         return losses.mean()
 
-    def _log_epoch(self, stage: str) -> None:
-        """Log the stage's metric objects once, at its epoch's end (never per step: Lightning's
-        result collection would process each logged object at every step). Lightning then
-        computes them (torchmetrics syncs the states across ranks once) and resets them."""
-        for name, metric in getattr(self, f"{stage}_metrics").items():
-            self.log(f"{stage}/{name}", metric, on_epoch=True, prog_bar=name == "acc")
+    def _log_epoch(self, stage: str) -> dict[str, Tensor]:
+        """Compute the stage's metrics (one sync of its sums across ranks), log them and reset
+        them: once, at the epoch's end. Nothing is logged per step (Lightning's result
+        collection would process every logged value at every step)."""
+        metrics = getattr(self, f"{stage}_metrics")
+        values = metrics.compute()
+        metrics.reset()
+        for name, value in values.items():
+            # The same synced value on every rank; "max" of equal values keeps it exact (a mean
+            # would also be, but Lightning floors integer batch-size totals).
+            self.log(
+                f"{stage}/{name}", value, prog_bar=name == "acc", sync_dist=True, reduce_fx="max"
+            )
+        return values
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
@@ -123,12 +136,10 @@ class ImageClassifier(L.LightningModule):
         self.log("train/lr", self.epoch_lr, on_epoch=True, sync_dist=True, reduce_fx="max")
 
     def on_validation_epoch_end(self) -> None:
-        self._log_epoch("val")  # in the sanity check too: Lightning resets what it logged
+        values = self._log_epoch("val")  # the sanity check's too: Lightning drops them
         if self.trainer.sanity_checking:  # a couple of batches: not a real accuracy
             return
-        self.val_acc_best.update(self.val_metrics["acc"].compute())
-        # compute() returned the same synced value on every rank; "max" of equal values keeps
-        # it exact (a mean would also be, but Lightning floors integer batch-size totals).
+        self.val_acc_best.update(values["acc"])
         self.log(
             "val/acc_best",
             self.val_acc_best.compute(),
