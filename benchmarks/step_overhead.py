@@ -46,17 +46,19 @@ MARK = "STEP_OVERHEAD_MS"
 
 
 class Clock:
-    """Marks the end of step ``warmup - 1`` and of step ``warmup + steps - 1``."""
+    """Marks the end of step ``warmup - 1`` and of step ``warmup + steps - 1``: prints the wall
+    time and the main thread's CPU time per step between them."""
 
     def __init__(self, warmup: int, steps: int) -> None:
-        self.warmup, self.steps, self.start = warmup, steps, 0.0
+        self.warmup, self.steps, self.start = warmup, steps, (0.0, 0.0)
 
     def step_end(self, index: int) -> None:
         if index == self.warmup - 1:
-            self.start = time.perf_counter()
+            self.start = (time.perf_counter(), time.thread_time())
         elif index == self.warmup + self.steps - 1:
-            ms = 1000 * (time.perf_counter() - self.start) / self.steps
-            print(MARK, ms, flush=True)
+            wall = 1000 * (time.perf_counter() - self.start[0]) / self.steps
+            cpu = 1000 * (time.thread_time() - self.start[1]) / self.steps
+            print(MARK, wall, cpu, flush=True)
             os._exit(0)  # what follows the timed steps is not measured
 
 
@@ -158,8 +160,12 @@ def child(argv: list[str]) -> None:
 # --- in the parent process
 
 
-def time_step(kind: str, setting: str, data: list[str], workdir: Path, tiny: bool) -> float:
-    """Milliseconds per step of one fresh process of ``kind``."""
+def time_step(
+    kind: str, setting: str, data: list[str], workdir: Path, tiny: bool, threads: int = 0
+) -> tuple[float, float]:
+    """Milliseconds per step of one fresh process of ``kind``: wall time, and the main thread's
+    CPU time (what the host spends, less blurred by whatever else runs on the machine).
+    ``threads``: torch's intra-op threads (0: its default, one per core)."""
     net, batch, warmup, steps = SETTINGS[setting]
     if tiny:
         warmup, steps = 3, 10
@@ -170,44 +176,63 @@ def time_step(kind: str, setting: str, data: list[str], workdir: Path, tiny: boo
                *overrides]  # fmt: skip
     proc = subprocess.run(
         command, cwd=workdir, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT),
+             **({"OMP_NUM_THREADS": str(threads)} if threads else {})},
     )  # fmt: skip
     marks = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
     if not marks:
         raise RuntimeError(f"{kind} ({setting}) timed no steps:\n{proc.stdout[-2000:]}\n"
                            f"{proc.stderr[-3000:]}")  # fmt: skip
-    return float(marks[-1].split()[1])
+    wall, cpu = marks[-1].split()[1:]
+    return float(wall), float(cpu)
 
 
 def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def measure(data: list[str], workdir: Path, repeats: int, tiny: bool) -> dict[str, dict]:
+def ratio(ours: list[float], raw: list[float], throughput: bool) -> dict[str, float]:
+    """src.train against the raw loop: time per step (or, ``throughput``, its inverse)."""
+    if throughput:
+        ours, raw = raw, ours
+    return {
+        "median": statistics.median(ours) / statistics.median(raw),
+        "min": min(ours) / max(raw),
+        "max": max(ours) / min(raw),
+    }
+
+
+def measure(
+    data: list[str], workdir: Path, repeats: int, tiny: bool, threads: int = 0
+) -> dict[str, dict]:
     """The rows: ms per step of each kind on each setting (medians of alternating runs), the
-    ratios and their targets."""
+    ratios and their targets; on the tiny network also the main thread's CPU time per step."""
     rows: dict[str, dict] = {}
+    label = {"raw": "raw loop", "bare": "bare L.Trainer", "template": "python -m src.train"}
     for setting in SETTINGS:
         kinds = KINDS if setting == "tiny" else ("raw", "template")
-        times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        wall: dict[str, list[float]] = {kind: [] for kind in kinds}
+        cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
         for _ in range(repeats):
             for kind in kinds:  # alternating: raw, bare, template, raw, ...
-                times[kind].append(time_step(kind, setting, data, workdir, tiny))
-        label = {"raw": "raw loop", "bare": "bare L.Trainer", "template": "python -m src.train"}
+                seconds = time_step(kind, setting, data, workdir, tiny, threads)
+                wall[kind].append(seconds[0])
+                cpu[kind].append(seconds[1])
         for kind in kinds:
-            rows[f"9. {setting}: {label[kind]} (ms per step)"] = summary(times[kind])
-        raw, ours = statistics.median(times["raw"]), statistics.median(times["template"])
+            rows[f"9. {setting}: {label[kind]} (ms per step)"] = summary(wall[kind])
         if setting == "tiny":
-            rows[f"9. tiny: src.train / raw loop, time per step (target <= {TARGETS['tiny']})"] = {
-                "median": ours / raw, "min": min(times["template"]) / max(times["raw"]),
-                "max": max(times["template"]) / min(times["raw"]),
-            }  # fmt: skip
+            for kind in kinds:
+                rows[f"9. tiny: {label[kind]} (main-thread CPU ms per step)"] = summary(cpu[kind])
+            target = f"target <= {TARGETS['tiny']}"
+            rows[f"9. tiny: src.train / raw loop, time per step ({target})"] = ratio(
+                wall["template"], wall["raw"], throughput=False
+            )
+            rows[f"9. tiny: src.train / raw loop, main-thread CPU per step ({target})"] = ratio(
+                cpu["template"], cpu["raw"], throughput=False
+            )
         else:
             name = f"9. convnet: src.train / raw loop, throughput (target >= {TARGETS['convnet']})"
-            rows[name] = {
-                "median": raw / ours, "min": min(times["raw"]) / max(times["template"]),
-                "max": max(times["raw"]) / min(times["template"]),
-            }  # fmt: skip
+            rows[name] = ratio(wall["template"], wall["raw"], throughput=True)
     return rows
 
 
@@ -229,11 +254,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="generated data, few steps, 1 repeat")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (default: one per core)"
+    )
+    parser.add_argument("--only", choices=tuple(SETTINGS), help="one setting only")
     args = parser.parse_args()
+    if args.only:
+        for name in set(SETTINGS) - {args.only}:
+            del SETTINGS[name]
     with tempfile.TemporaryDirectory() as folder:
         workdir = Path(folder)
         repeats = 1 if args.tiny else args.repeats
-        rows = measure(data_overrides(workdir, args.tiny), workdir, repeats, args.tiny)
+        data = data_overrides(workdir, args.tiny)
+        rows = measure(data, workdir, repeats, args.tiny, args.threads)
     width = max(map(len, rows))
     for name, row in rows.items():
         figures = "  ".join(f"{key} {row[key]:8.3f}" for key in ("median", "min", "max"))
