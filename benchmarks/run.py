@@ -14,6 +14,9 @@ read from ``$TEMPLATE_DATA_DIR`` (default ``../shared/data``); without it, rows 
 5. exactness cost: DDP test loop with the unpadded sampler against Lightning's padded one
 6. whole job: ``python -m src.train data=fashion_mnist`` wall time and test accuracy
 7. image folders: decoding the training split's images from PNG files into the in-memory tensor
+8. GPU rows: resident data, bf16, compile (on the CPU in --tiny mode)
+9. host time per step: raw loop, bare Lightning Trainer and ``src.train`` on a tiny network, and
+   the default ConvNet's throughput ratio (:mod:`benchmarks.step_overhead`)
 
 ``--tiny`` runs every row on a small generated dataset in about a minute (used by the tests).
 """
@@ -494,6 +497,11 @@ def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict
         "max": count / seconds["min"],
     }  # fmt: skip
     rows |= accelerated_rows(train_set, batch, steps, repeats, data_overrides, workdir, real, tiny)
+    from benchmarks import step_overhead
+
+    rows |= step_overhead.measure(
+        step_overhead.data_overrides(workdir, tiny), workdir, repeats, tiny
+    )
     return {
         "machine": machine(),
         "settings": {

@@ -4,14 +4,23 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
 from src.task import TASK
 from src.task.data.mnist import MNISTDataModule
 from src.task.model import ImageClassifier
-from src.template.checkpoint import AtomicCheckpointIO, CheckpointError, check_fits, read_checkpoint
+from src.template.checkpoint import (
+    AtomicCheckpointIO,
+    BestCheckpoint,
+    CheckpointError,
+    LastCheckpoint,
+    check_fits,
+    read_checkpoint,
+)
 from src.template.inference import load_for_inference
 from src.template.resume import SeedEachBatch
 
@@ -132,3 +141,20 @@ def test_each_step_draws_from_its_own_seed() -> None:
     restored = SeedEachBatch(seed=0)
     restored.load_state_dict(seeding.state_dict())  # the seed travels in the checkpoint
     assert torch.equal(dropout_draws(restored, epoch=1, batch=3, rank=0), first)
+
+
+def test_each_step_seeds_torch_as_manual_seed_does() -> None:
+    """The cheaper per-step seeding leaves the CPU generator where ``torch.manual_seed`` does."""
+    seeding = SeedEachBatch(seed=7)
+    ours = dropout_draws(seeding, epoch=2, batch=5, rank=1)
+    entropy = [7, 2, 5, 1]
+    torch.manual_seed(int(np.random.SeedSequence(entropy).generate_state(1)[0]))
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(64), p=0.5), ours)
+
+
+def test_checkpoint_callbacks_keep_lightnings_state_keys(tmp_path: Path) -> None:
+    """Built once, the keys are the ones Lightning builds: checkpoints of either version load."""
+    best = BestCheckpoint(dirpath=tmp_path, monitor="val/acc", mode="max", save_top_k=1)
+    for callback in (best, LastCheckpoint(tmp_path, every_n_train_steps=5)):
+        assert callback.state_key == ModelCheckpoint.state_key.fget(callback)
+        assert callback.state_key is callback.state_key

@@ -10,28 +10,39 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torchmetrics import MaxMetric, MeanMetric, SumMetric
-from torchmetrics.classification import MulticlassAccuracy
+from torch import Tensor
+from torchmetrics import MaxMetric, Metric
 
 from src.task import nets
 from src.task.data.images import ImageDataModule
 from src.template.data import Batch
 
 
-def stage_metrics(num_classes: int) -> nn.ModuleDict:
-    """``<stage>/loss`` (per-sample mean), ``<stage>/acc`` (micro) and ``<stage>/samples`` (count).
+class StageMetrics(Metric):
+    """``<stage>/loss`` (per-sample mean), ``<stage>/acc`` (micro accuracy) and
+    ``<stage>/samples`` (count), from three sums updated together: one torchmetrics update a
+    step, a few tensor ops, no device-to-host sync. Summed across ranks in ``compute()``, so N
+    ranks report what one rank would."""
 
-    NaN checks and argument validation are off: they force a device-to-host sync on every step,
-    and the data module already validates labels when it reads them.
-    """
-    return nn.ModuleDict(
-        {
-            "loss": MeanMetric(nan_strategy="disable"),
-            "acc": MulticlassAccuracy(num_classes, average="micro", validate_args=False),
-            "samples": SumMetric(nan_strategy="disable"),
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("loss_sum", torch.zeros(()), dist_reduce_fx="sum")
+        self.add_state("correct", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("samples", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, losses: Tensor, logits: Tensor, labels: Tensor) -> None:
+        self.loss_sum += losses.sum()
+        self.correct += (logits.argmax(dim=1) == labels).sum()
+        self.samples += labels.numel()  # a Python number: no host-to-device copy
+
+    def compute(self) -> dict[str, Tensor]:
+        return {
+            "loss": self.loss_sum / self.samples,
+            "acc": self.correct / self.samples,
+            "samples": self.samples.float(),
         }
-    )
 
 
 def is_number(value: Any) -> bool:
@@ -70,9 +81,9 @@ class ImageClassifier(L.LightningModule):
         # torch.compile of the network's forward only: the module (and so the checkpoint keys)
         # stays the plain network, and a plain function is not registered as a submodule.
         self.net_forward = torch.compile(self.net.forward) if compile else self.net.forward
-        self.train_metrics = stage_metrics(num_classes)
-        self.val_metrics = stage_metrics(num_classes)
-        self.test_metrics = stage_metrics(num_classes)
+        self.train_metrics = StageMetrics()
+        self.val_metrics = StageMetrics()
+        self.test_metrics = StageMetrics()
         # Best validation accuracy so far; persistent so a resumed run keeps it.
         self.val_acc_best = MaxMetric(nan_strategy="disable")
         self.val_acc_best.persistent(True)
@@ -86,19 +97,23 @@ class ImageClassifier(L.LightningModule):
     def _step(self, batch: Batch, stage: str) -> torch.Tensor:
         logits = self(batch.inputs)
         losses = F.cross_entropy(logits, batch.targets, reduction="none")
-        metrics = getattr(self, f"{stage}_metrics")
-        metrics["loss"].update(losses.detach())
-        metrics["acc"].update(logits.detach(), batch.targets)
-        # A device tensor (a fill, no copy): a Python int would be copied host-to-device per step.
-        metrics["samples"].update(
-            batch.targets.new_full((), batch.targets.numel(), dtype=torch.float)
-        )
-        for name, metric in metrics.items():
-            # Metric objects are computed (and synced across ranks) once, at epoch end.
-            self.log(
-                f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name == "acc"
-            )
+        getattr(self, f"{stage}_metrics").update(losses.detach(), logits.detach(), batch.targets)
         return losses.mean()
+
+    def _log_epoch(self, stage: str) -> dict[str, Tensor]:
+        """Compute the stage's metrics (one sync of its sums across ranks), log them and reset
+        them: once, at the epoch's end. Nothing is logged per step (Lightning's result
+        collection would process every logged value at every step)."""
+        metrics = getattr(self, f"{stage}_metrics")
+        values = metrics.compute()
+        metrics.reset()
+        for name, value in values.items():
+            # The same synced value on every rank; "max" of equal values keeps it exact (a mean
+            # would also be, but Lightning floors integer batch-size totals).
+            self.log(
+                f"{stage}/{name}", value, prog_bar=name == "acc", sync_dist=True, reduce_fx="max"
+            )
+        return values
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
@@ -117,16 +132,16 @@ class ImageClassifier(L.LightningModule):
     on_train_epoch_start = on_train_start
 
     def on_train_epoch_end(self) -> None:
+        self._log_epoch("train")
         # Logged at the epoch end like the other epoch metrics (step = epoch), so an epoch cut
         # by a stop is logged once, by the job that completes it.
         self.log("train/lr", self.epoch_lr, on_epoch=True, sync_dist=True, reduce_fx="max")
 
     def on_validation_epoch_end(self) -> None:
+        values = self._log_epoch("val")  # the sanity check's too: Lightning drops them
         if self.trainer.sanity_checking:  # a couple of batches: not a real accuracy
             return
-        self.val_acc_best.update(self.val_metrics["acc"].compute())
-        # compute() returned the same synced value on every rank; "max" of equal values keeps
-        # it exact (a mean would also be, but Lightning floors integer batch-size totals).
+        self.val_acc_best.update(values["acc"])
         self.log(
             "val/acc_best",
             self.val_acc_best.compute(),
@@ -134,6 +149,9 @@ class ImageClassifier(L.LightningModule):
             sync_dist=True,
             reduce_fx="max",
         )
+
+    def on_test_epoch_end(self) -> None:
+        self._log_epoch("test")
 
     def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
         confidence, predicted = self(batch.inputs).softmax(dim=1).max(dim=1)

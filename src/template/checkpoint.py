@@ -63,7 +63,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.close(folder)
 
 
-class BestCheckpoint(ModelCheckpoint):
+class FixedStateKey:
+    """For a ModelCheckpoint: its ``state_key`` built once. Lightning reads every callback's key
+    at every hook call of every step (to name a profiler action), and a ModelCheckpoint builds
+    its key anew each time from settings fixed once it is built."""
+
+    @property
+    def state_key(self) -> str:
+        if "_state_key" not in self.__dict__:
+            self.__dict__["_state_key"] = super().state_key
+        return self.__dict__["_state_key"]
+
+
+class BestCheckpoint(FixedStateKey, ModelCheckpoint):
     """Lightning's top-k checkpointing that survives a resume into another folder: the best
     files so far are copied into this job's folder and tracked as if written there, so the
     best score, the best file and the test of the best model match an uninterrupted run."""
@@ -94,7 +106,7 @@ class BestCheckpoint(ModelCheckpoint):
             super().on_train_epoch_end(trainer, pl_module)
 
 
-class LastCheckpoint(ModelCheckpoint):
+class LastCheckpoint(FixedStateKey, ModelCheckpoint):
     """Writes ``last.ckpt`` at every epoch end (Lightning's ``save_last`` only writes when a
     new best was saved) and, mid-epoch, every ``every_n_train_steps`` steps and at the step
     ``max_steps`` ends on. A step that ends an epoch is left to the epoch-end checkpoint, so

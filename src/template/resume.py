@@ -139,6 +139,19 @@ class MidEpochState(Callback):
         self.loaded = {}
 
 
+def seed_torch(seed: int) -> None:
+    """``torch.manual_seed(seed)`` for the generators a training step can draw from: the CPU's
+    and those of the accelerators this process has initialised. ``torch.manual_seed`` also queues
+    a seed for every accelerator not initialised (CUDA and XPU in a CPU job), saving the Python
+    stack with each: about 0.5 ms inside a training step, at every step."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)  # each GPU's generator, at once
+    if torch.xpu.is_initialized():
+        torch.xpu.manual_seed_all(seed)
+    torch.mps.manual_seed(seed)  # a no-op where there is no MPS
+
+
 class SeedEachBatch(Callback):
     """Seeds python, numpy and torch before every training step from (seed, epoch, batch, rank).
 
@@ -156,7 +169,7 @@ class SeedEachBatch(Callback):
         step_seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
         random.seed(step_seed)
         np.random.seed(step_seed)
-        torch.manual_seed(step_seed)
+        seed_torch(step_seed)
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed}
