@@ -28,10 +28,10 @@ def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -
     """``python -m src.<entry> [overrides]``: ``job(cfg, task)`` with ``conf/<config_name>.yaml``.
     Its return value goes to Hydra (a sweeper optimises it)."""
     expected = (*EXPECTED, *task.errors)
-    quiet_library_notices()
 
     @hydra.main(version_base="1.3", config_path=str(CONF), config_name=config_name)
     def run(cfg: DictConfig) -> Any:
+        quiet_library_notices()  # here: a SLURM sweep job runs this function, not main()
         with short_errors(*expected), job_scope():
             return job(cfg, task)
 
