@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.task import TASK
 from src.template import checkpoint, entry, reporting, tracking
-from src.template.config import as_config_error, check_sections
+from src.template.config import as_config_error, check_keys, check_sections
 from src.template.distributed import srun_starts_ranks, use_sync_batchnorm
 from src.template.resume import SeedEachBatch
 from src.template.shutdown import run_lifecycle
@@ -21,18 +21,19 @@ from src.template.trainer import build_callbacks, build_trainer, check_settings
 
 def train(cfg: DictConfig, task: Task) -> float | None:
     world_size = check_settings(cfg, fitting=True)
-    check_sections(cfg, {"data": (task.datamodule_class(cfg.data.name), ())})
-    check_sections(cfg, task.config_targets(OmegaConf.to_container(cfg.model, resolve=True)))
+    data_class = task.datamodule_class(cfg.data.name)
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    check_keys("data", cfg.data, data_class)
+    check_sections(cfg, task.config_targets(model_cfg))
     if in_multirun() and world_size > 1 and not srun_starts_ranks(world_size):
         return run_sweep_job_in_own_process(cfg.optimized_metric)  # see src/template/sweeps.py
     seed = L.seed_everything(cfg.seed, workers=True, verbose=False)
     # Everything that can be checked is checked before a run or a rank process exists.
-    data = OmegaConf.to_container(cfg.data, resolve=True)
-    datamodule = task.datamodule_class(cfg.data.name)(**data)
+    datamodule = data_class(**OmegaConf.to_container(cfg.data, resolve=True))
     datamodule.prepare_data()
     datamodule.load()  # train, validation and test splits
     with as_config_error("model"):
-        model = task.build_model(OmegaConf.to_container(cfg.model, resolve=True), datamodule)
+        model = task.build_model(model_cfg, datamodule)
     resume = checkpoint.read_checkpoint(cfg.ckpt_path) if cfg.ckpt_path else None
     if resume:
         checkpoint.check_fits(resume, model, datamodule, cfg.ckpt_path)
