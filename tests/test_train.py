@@ -61,7 +61,7 @@ def test_train_logs_one_finished_mlflow_run(trained: dict[str, Path]) -> None:
     assert store.is_file(), "the default store is mlflow.db in the launch folder"
     client, run = only_run(store)
     assert run.info.status == "FINISHED"
-    assert run.info.run_name == "train-mnist"
+    assert run.info.run_name == "train mnist"
     assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(
         trained["workdir"] / "mlartifacts"
     )
