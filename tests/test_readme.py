@@ -669,6 +669,43 @@ def test_readme_links_every_docs_page() -> None:
     assert [p.name for p in PAGES[1:] if p.resolve() not in linked] == []
 
 
+# --- the configuration page ------------------------------------------------------------------
+
+CONF = PROJECT / "conf"
+SETUPS = ("experiment", "hparams_search")  # whole setups: values of keys set elsewhere
+
+
+def leaf_keys(node: dict, prefix: str = "") -> Iterator[str]:
+    """The dotted keys of a YAML mapping's leaves (an empty mapping is a leaf)."""
+    for key, value in node.items():
+        if key == "defaults" and not prefix:
+            continue
+        if isinstance(value, dict) and value:
+            yield from leaf_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+def config_keys() -> set[str]:
+    """Every key a config file under ``conf/`` sets, as typed on the command line."""
+    keys: set[str] = set()
+    for path in sorted(CONF.rglob("*.yaml")):
+        group = path.parent.relative_to(CONF).as_posix()
+        if group.split("/")[0] in SETUPS or path == CONF / "hydra" / "default.yaml":
+            continue  # hydra/default.yaml: Hydra's own output layout
+        text = path.read_text()
+        is_global = group == "." or "# @package _global_" in text
+        prefix = "" if is_global else group.replace("/", ".") + "."
+        keys.update(prefix + key for key in leaf_keys(yaml.safe_load(text) or {}))
+    return keys
+
+
+def test_configuration_page_names_every_key() -> None:
+    page = (PROJECT / "docs" / "configuration.md").read_text()
+    assert "model.net.channels" in config_keys()
+    assert [key for key in sorted(config_keys()) if f"`{key}`" not in page] == []
+
+
 def test_link_checker_on_a_sample(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "b.md").write_text(
