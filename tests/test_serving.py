@@ -113,8 +113,8 @@ def predicted_by_src_predict(workdir: Path, job: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_the_best_job_of_a_sweep_is_registered_and_served(tiny_root: Path, tmp_path: Path) -> None:
-    """The README's path: a sweep (each job logs its model), src.register picks the best job by
-    optimized_metric, and `mlflow models serve` answers as src.predict does."""
+    """The path of docs/mlflow.md: a sweep (each job logs its model), src.register picks the best
+    job by optimized_metric, and `mlflow models serve` answers as src.predict does."""
     run_entry("train", "-m", *tiny_overrides(tiny_root), "seed=1,2",
               "logger.registered_model_name=every-job", cwd=tmp_path)  # fmt: skip
     (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()

@@ -76,7 +76,7 @@ def prepare_store(tracking_uri: str, experiment_name: str) -> None:
         reason = str(error).splitlines()[0][:200]
         raise TrackingError(
             f"MLflow server {mask_text(tracking_uri)} is not reachable ({reason}). Start it "
-            "(README: MLflow server) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
+            "(docs/mlflow.md: MLflow server) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
         ) from error
 
 
