@@ -1,6 +1,9 @@
 """Tracking set-up against a real SQLite MLflow store."""
 
+import html
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,12 +27,14 @@ from src.template.tracking import (
 )
 from tests.conftest import (
     PROJECT,
+    mlflow_server,
     read_metrics,
     run_entry,
     tiny_overrides,
 )
 from tests.test_config import compose_config
 from tests.test_data import make_module
+from tests.test_distributed import free_port
 
 
 def test_flatten_uses_override_style_keys() -> None:
@@ -200,3 +205,46 @@ def test_unreachable_server_stops_the_job_before_training(tiny_root: Path, tmp_p
 
 
 # --- system metrics
+
+
+def browser() -> str | None:
+    return next(
+        filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None
+    )
+
+
+def page_text(url: str) -> str:
+    """What a reader sees at ``url``: the MLflow UI rendered by headless Chromium, as text."""
+    dom = subprocess.run(
+        [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000",
+         "--dump-dom", url],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    dom = re.sub(r"<script.*?</script>|<style.*?</style>", " ", dom, flags=re.S)
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    browser() is None, reason="no Chromium here (.ci/run installs it: apt chromium)"
+)
+def test_a_reviewer_sees_named_runs_and_linked_models_in_the_mlflow_ui(
+    tiny_root: Path, tmp_path: Path
+) -> None:
+    """docs/mlflow.md "Reviewing runs", in a real browser against `mlflow ui`."""
+    sweep = ["trainer.max_epochs=1", "model.lr=0.01,0.02", "logger.registered_model_name=r"]
+    run_entry("train", "-m", *tiny_overrides(tiny_root), *sweep, cwd=tmp_path)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("mnist").experiment_id
+    model = client.search_logged_models([experiment], order_by=[{"field_name": "creation_time"}])[0]
+    port = free_port()
+    argv = ["mlflow", "ui", "--host", "127.0.0.1", "--port", str(port),
+            "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]  # fmt: skip
+    with mlflow_server(argv, port, tmp_path) as url:
+        experiment_page = f"{url}/#/experiments/{experiment}?workflowType=machine_learning"
+        runs = page_text(experiment_page)
+        assert "train mnist lr=0.01" in runs and "train mnist lr=0.02" in runs, runs[:2000]
+        assert " Runs Views " in runs, "the experiment opens on its training runs"
+        model_page = page_text(f"{url}/#/experiments/{experiment}/models/{model.model_id}")
+        assert "Datasets used mnist/test" in model_page, model_page[-2000:]
+        assert "Model versions r v1" in model_page, model_page[-2000:]

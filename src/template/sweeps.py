@@ -52,7 +52,8 @@ def swept_overrides() -> list[str]:
 
     parse = OverridesParser.create().parse_overrides
     command = parse(list(OmegaConf.load(job[0] / "multirun.yaml").hydra.overrides.task))
-    fixed = {o.get_key_element() for o in command if not o.is_sweep_override()}
+    swept = {o.get_key_element() for o in command if o.is_sweep_override()}
+    fixed = {o.get_key_element() for o in command} - swept
     varied = [o.partition("=") for o in HydraConfig.get().overrides.task]
     varied = [(key, sep, value) for key, sep, value in varied if key not in fixed]
     return [f"{key.lstrip('+~').rsplit('.', 1)[-1]}{sep}{value}" for key, sep, value in varied]
