@@ -34,19 +34,21 @@ def train(cfg: DictConfig, task: Task) -> float | None:
     datamodule.load()  # train, validation and test splits
     with as_config_error("model"):
         model = task.build_model(model_cfg, datamodule)
-    resume = checkpoint.read_checkpoint(cfg.ckpt_path) if cfg.ckpt_path else None
+    out = Path(cfg.paths.output_dir)
+    ckpt_path = checkpoint.resume_path(cfg.ckpt_path, out)  # ckpt_path=auto: last.ckpt, if any
+    resume = checkpoint.read_checkpoint(ckpt_path) if ckpt_path else None
     if resume:
-        checkpoint.check_fits(resume, model, datamodule, cfg.ckpt_path)
+        checkpoint.check_fits(resume, model, datamodule, ckpt_path)
     reporting.show_config(cfg)
-    loggers = tracking.build_loggers(cfg, continue_run=tracking.run_to_continue(resume, cfg))
+    continue_run = tracking.run_to_continue(resume, cfg, auto=cfg.ckpt_path == "auto")
+    loggers = tracking.build_loggers(cfg, continue_run=continue_run)
     callbacks = build_callbacks(cfg, monitor=(task.monitor, task.mode))
     callbacks += [SeedEachBatch(seed), *tracking.callbacks(loggers, cfg)]
     sync_bn = use_sync_batchnorm(cfg.strategy.sync_batchnorm, model, cfg.accelerator)
     trainer = build_trainer(cfg, loggers, callbacks, fitting=True, sync_batchnorm=sync_bn)
-    out = Path(cfg.paths.output_dir)
     with tracking.sending(loggers, cfg), run_lifecycle(trainer):
         tracking.log_config(loggers, cfg, trainer)
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         # The best checkpoint by the monitored metric; without validation, the last one.
         best = trainer.checkpoint_callback.best_model_path or str(out / "checkpoints/last.ckpt")

@@ -78,6 +78,13 @@ CASES = {
         1, ["callbacks.checkpoint.every_n_train_steps=4"], "17:SIGKILL", -9, 16, "RUNNING",
     ),
 }  # fmt: skip
+# Cases run as a user with a fixed output folder would: the same command with ckpt_path=auto,
+# again, in the same folder (the others resume by path into a new folder).
+SAME_COMMAND_AGAIN = {
+    "usr1-before-any-checkpoint",
+    "workers-mid-epoch",
+    "step-checkpoint-then-sigkill",
+}
 
 
 @pytest.mark.slow
@@ -86,7 +93,8 @@ def test_stopped_and_resumed_equals_uninterrupted(
     case: str, reference, tiny_root: Path, tmp_path: Path
 ) -> None:
     devices, extra, signal_at, code, stop_step, status = CASES[case]
-    args = [*overrides(tiny_root, devices), *extra]
+    again = case in SAME_COMMAND_AGAIN
+    args = [*overrides(tiny_root, devices), *extra, *(["ckpt_path=auto"] if again else [])]
     assert stopped_job(tmp_path, args, signal_at) == code
     last = tmp_path / "run/checkpoints/last.ckpt"
     saved = torch.load(last, weights_only=True)
@@ -97,15 +105,17 @@ def test_stopped_and_resumed_equals_uninterrupted(
     assert run.info.status == status
 
     resumed_args = [a for a in args if not a.startswith("+trainer.max_steps")]
-    run_entry("train", *resumed_args, f"ckpt_path={last}", "hydra.run.dir=resumed", cwd=tmp_path)
+    resumed_dir = tmp_path / ("run" if again else "resumed")
+    resume = [] if again else [f"ckpt_path={last}"]
+    run_entry("train", *resumed_args, *resume, f"hydra.run.dir={resumed_dir}", cwd=tmp_path)
 
     expected_dir = reference(devices)
     expected = torch.load(expected_dir / "run/checkpoints/last.ckpt", weights_only=True)
-    resumed = torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=True)
+    resumed = torch.load(resumed_dir / "checkpoints/last.ckpt", weights_only=True)
     for part in ("epoch", "global_step", "state_dict", "optimizer_states", "lr_schedulers"):
         assert_same_tensors(resumed[part], expected[part], part)
     expected_metrics = read_metrics(expected_dir / "run")
-    resumed_metrics = read_metrics(tmp_path / "resumed")
+    resumed_metrics = read_metrics(resumed_dir)
     assert resumed_metrics.keys() == expected_metrics.keys()
     for name, value in resumed_metrics.items():
         assert value == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-6), name
@@ -118,3 +128,22 @@ def test_stopped_and_resumed_equals_uninterrupted(
         assert [step for step, _ in resumed_history[key]] == list(range(EPOCHS)), key
         values = [value for _, value in resumed_history[key]]
         assert values == pytest.approx([v for _, v in points], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_auto_before_any_checkpoint_starts_fresh_in_the_run_it_opened(
+    reference, tiny_root: Path, tmp_path: Path
+) -> None:
+    """A job killed before its first checkpoint leaves only the id of the MLflow run it opened:
+    the same command again trains from the start into that run."""
+    args = [*overrides(tiny_root, 1), "ckpt_path=auto", "hydra.run.dir=run"]
+    run_entry("train", *args, cwd=tmp_path)
+    for checkpoint in (tmp_path / "run" / "checkpoints").iterdir():
+        checkpoint.unlink()  # as if it had been killed before writing one
+    run_entry("train", *args, cwd=tmp_path)
+    expected = torch.load(reference(1) / "run/checkpoints/last.ckpt", weights_only=True)
+    again = torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)
+    assert_same_tensors(again["state_dict"], expected["state_dict"], "state_dict")
+    run, points = history(tmp_path / "mlflow.db")  # one run, each epoch once
+    assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
+    assert all([step for step, _ in steps] == list(range(EPOCHS)) for steps in points.values())

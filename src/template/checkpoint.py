@@ -8,6 +8,7 @@
   folder (Lightning forgets it there, and would call the first resumed epoch the best).
 * :class:`LastCheckpoint` writes ``last.ckpt`` at epoch ends and mid-epoch, at a training step's
   end (the point Lightning resumes from).
+* :func:`resume_path` turns ``ckpt_path=auto`` into the output folder's ``last.ckpt``, if any.
 * :func:`read_checkpoint` and :func:`check_fits` refuse a missing file, a file that is not a
   training checkpoint, or one of other data or another model shape before any work starts,
   naming the layer or the config keys that differ.
@@ -148,6 +149,15 @@ def save_last(trainer: L.Trainer) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, LastCheckpoint):
             callback.save_now(trainer)
+
+
+def resume_path(ckpt_path: str | None, output_dir: Path) -> str | None:
+    """``ckpt_path=auto``: the output folder's ``last.ckpt`` if a job there wrote one, else None
+    (start fresh). With a fixed folder, the same command run again continues where it stopped."""
+    if ckpt_path != "auto":
+        return ckpt_path
+    last = output_dir / "checkpoints" / "last.ckpt"
+    return str(last) if last.is_file() else None
 
 
 def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:

@@ -179,13 +179,20 @@ def run_tags(cfg: DictConfig) -> dict[str, str]:
     return tags
 
 
-def run_to_continue(saved: Mapping[str, Any] | None, cfg: DictConfig) -> str | None:
+def run_to_continue(
+    saved: Mapping[str, Any] | None, cfg: DictConfig, auto: bool = False
+) -> str | None:
     """``logger.run_id`` if set; for a resumed job, its checkpoint's run if it is in this
-    store and ``logger.continue_run``; else None (a new run)."""
+    store and ``logger.continue_run``; with ``ckpt_path=auto`` and no checkpoint yet, the run a
+    job in this output folder opened (it stopped before its first checkpoint); else None."""
     if cfg.logger.kind != "mlflow" or cfg.logger.get("offline"):
         return None  # an offline placeholder's run does not exist on the server yet
     if cfg.logger.get("run_id"):
         return named_run(cfg)
+    opened = Path(cfg.paths.output_dir, RUN_ID_FILE)
+    if auto and not saved and opened.is_file() and cfg.logger.get("continue_run", True):
+        saved = {"mlflow": {"run_id": opened.read_text().strip(),
+                            "tracking_uri": without_password(cfg.logger.tracking_uri)}}  # fmt: skip
     source = (saved or {}).get("mlflow")
     if not cfg.logger.get("continue_run", True) or not source:
         return None
