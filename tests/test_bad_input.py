@@ -9,17 +9,23 @@ import pytest
 import torch
 
 from tests.conftest import N_TRAIN, run_entry, tiny_overrides
+from tests.image_data import make_image_folder
 
 pytestmark = pytest.mark.slow
 
 
 def fails_before_any_work(
-    workdir: Path, *overrides: str, data_root: Path, env: dict[str, str] | None = None
+    workdir: Path,
+    *overrides: str,
+    data_root: Path,
+    env: dict[str, str] | None = None,
+    base: list[str] | None = None,
 ) -> str:
-    """Run training with ``overrides``; return its stderr after checking nothing was started."""
+    """Run training with ``overrides`` (after ``base``, by default the tiny MNIST job's); return
+    its stderr after checking nothing was started."""
     proc = run_entry(
         "train",
-        *tiny_overrides(data_root),
+        *(tiny_overrides(data_root) if base is None else base),
         *overrides,
         cwd=workdir,
         check=False,
@@ -223,3 +229,37 @@ def test_an_unknown_split(entry: str, tiny_root: Path, tmp_path: Path) -> None:
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "split=validation is not valid; use split=test or split=val" in proc.stderr
     assert list(tmp_path.iterdir()) == [], "nothing is left behind"
+
+
+@pytest.fixture(scope="module")
+def small_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """100 training images (20 in each of 5 classes): fewer than the default data.val_size and
+    data.batch_size."""
+    return make_image_folder(tmp_path_factory.mktemp("small_images"), n_train=20, n_test=5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            [],
+            "data.val_size=1000 must be in (0, 100) for 100 training samples; use e.g. "
+            "data.val_size=10 data.batch_size=64",
+        ),
+        (
+            ["data.val_size=20"],
+            "data.batch_size=128 is larger than the 80 training samples left after "
+            "data.val_size=20; use e.g. data.batch_size=64",
+        ),
+    ],
+    ids=["val-size-default", "batch-size-default"],
+)
+def test_a_small_image_folder(
+    overrides: list[str], message: str, small_images: Path, tmp_path: Path
+) -> None:
+    """README "Make it yours" step 1 as typed, on a folder smaller than the defaults expect:
+    one line before the two ranks start (it was a traceback from each rank)."""
+    as_typed = ["data=image_folder", f"data.root={small_images}", "model=resnet"]
+    as_typed += ["strategy=ddp", "devices=2", "callbacks.progress_bar=none"]
+    stderr = fails_before_any_work(tmp_path, *overrides, data_root=small_images, base=as_typed)
+    assert message in stderr
