@@ -2,6 +2,7 @@
 typed as a user types it (no ``hydra.run.dir``): no traceback, exit code 1, and nothing left
 behind: no output folder, no MLflow store or run, no checkpoint, no folder in ``data.root``."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -42,6 +43,7 @@ def fails_before_any_work(
     return " ".join(proc.stderr.split())  # unwrapped
 
 
+CORES = len(os.sched_getaffinity(0))
 DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
 
 
@@ -73,6 +75,11 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         (["devices=two"], f"devices=two {DEVICES_HELP}"),
         (["devices=[0,1]"], "devices=[0, 1] lists GPU indices but no GPU is used here"),
         (["num_nodes=0"], "num_nodes=0 is not valid: it is the number of machines"),
+        (
+            ["accelerator=cpu", "devices=1000"],
+            f"devices=1000 would start 1000 processes on this machine's {CORES} CPU core(s); "
+            f"use devices={CORES} (one process per core",
+        ),
         (["devices=-1"], "devices=-1 means every GPU, and no GPU is used here"),
         (["seed=abc"], "seed=abc is not valid: it must be a whole number >= 0"),
         (["data.batch_size=0"], "data.batch_size=0 is not valid: it must be a whole number >= 1"),
@@ -121,6 +128,7 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         "devices-word",
         "gpu-indices-on-cpu",
         "num-nodes-0",
+        "more-processes-than-cores",
         "devices-all-gpus-on-cpu",
         "seed-word",
         "batch-size-0",
