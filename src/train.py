@@ -37,8 +37,8 @@ def train(cfg: DictConfig, task: Task) -> float | None:
     resume = checkpoint.read_checkpoint(cfg.ckpt_path) if cfg.ckpt_path else None
     if resume:
         checkpoint.check_fits(resume, model, datamodule, cfg.ckpt_path)
-    reporting.show_config(cfg)
     loggers = tracking.build_loggers(cfg, continue_run=tracking.run_to_continue(resume, cfg))
+    reporting.show_config(cfg)
     callbacks = build_callbacks(cfg, monitor=(task.monitor, task.mode))
     callbacks += [SeedEachBatch(seed), *tracking.callbacks(loggers, cfg)]
     sync_bn = use_sync_batchnorm(cfg.strategy.sync_batchnorm, model, cfg.accelerator)

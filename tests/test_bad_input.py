@@ -186,6 +186,19 @@ def test_more_gpus_than_the_machine_has(tiny_root: Path, tmp_path: Path) -> None
         assert f"devices={gpus + 1} but this machine has {gpus} GPU(s)" in stderr
 
 
+def test_an_unreachable_tracking_server(tiny_root: Path, tmp_path: Path) -> None:
+    """Nothing but the one line: no config line before it, no urllib3 'Retrying' warning."""
+    proc = run_entry(
+        "train", *tiny_overrides(tiny_root), "logger.tracking_uri=http://127.0.0.1:9",
+        cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    (line,) = (proc.stdout + proc.stderr).strip().splitlines()
+    assert line.startswith("Error: MLflow server http://127.0.0.1:9 is not reachable ("), line
+    assert line.endswith("or log locally with logger.tracking_uri=sqlite:///mlflow.db")
+    assert list(tmp_path.iterdir()) == [], "nothing is left behind"
+
+
 def test_a_file_that_is_not_a_checkpoint(tiny_root: Path, tmp_path: Path) -> None:
     (tmp_path / "given").mkdir()
     (tmp_path / "given" / "notes.ckpt").write_text("my notes")
