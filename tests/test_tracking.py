@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 from mlflow import MlflowClient
 
 from src.task import TASK
@@ -24,6 +24,7 @@ from src.template.tracking import (
 )
 from tests.conftest import (
     PROJECT,
+    only_run,
     read_metrics,
     run_entry,
     tiny_overrides,
@@ -120,6 +121,13 @@ def test_an_offline_logger_opens_no_connection(tmp_path: Path) -> None:
     assert methods == ["create_run", "log_batch", "set_terminated"]
 
 
+@pytest.mark.parametrize("kind", ["none", "csv", "mlflow"])
+def test_tensorboard_beside_any_logger(kind: str, tmp_path: Path) -> None:
+    cfg = compose_config("train", [f"logger={kind}", "logger.tensorboard=true"], tmp_path)
+    (tensorboard,) = [x for x in build_loggers(cfg) if isinstance(x, TensorBoardLogger)]
+    assert Path(tensorboard.log_dir) == Path(cfg.paths.output_dir) / "tensorboard"
+
+
 class DataDependent(torch.nn.Module):
     """A network torch.export cannot trace: its control flow depends on the pixels."""
 
@@ -200,3 +208,24 @@ def test_unreachable_server_stops_the_job_before_training(tiny_root: Path, tmp_p
 
 
 # --- system metrics
+
+
+@pytest.mark.slow
+def test_tensorboard_beside_mlflow_on_two_ranks(tiny_root: Path, tmp_path: Path) -> None:
+    """logger.tensorboard=true on 2 DDP ranks: one events file (rank 0's), with the epoch and
+    test metrics, and the MLflow run as without it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    run_entry(
+        "train", *tiny_overrides(tiny_root), "trainer.max_epochs=1", "strategy=ddp", "devices=2",
+        "logger.tensorboard=true", f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    (events,) = run_dir.rglob("events.out.tfevents.*")
+    assert events.parent == run_dir / "tensorboard"
+    scalars = EventAccumulator(str(events)).Reload().Tags()["scalars"]
+    assert {"train/loss", "val/acc", "test/acc"} <= set(scalars), scalars
+    client, run = only_run(tmp_path / "mlflow.db")
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["test/acc"] == pytest.approx(read_metrics(run_dir)["test/acc"])

@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
@@ -97,14 +97,35 @@ class EpochMLFlowLogger(MLFlowLogger):
             self.last_step.update(dict.fromkeys(metrics, step if step is not None else -1))
 
 
+class OneFileTensorBoardLogger(TensorBoardLogger):
+    """Lightning's TensorBoard logger (rank 0 writes), one events file per job: Lightning closes
+    the writer at the end of fitting and testing then opens a second file; this flushes instead,
+    and :func:`sending` closes it at the job's end."""
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if self._experiment is not None:
+            self._experiment.flush()
+        self.save()
+
+    def close(self) -> None:
+        if self._experiment is not None:
+            self._experiment.close()
+
+
 def build_loggers(
     cfg: DictConfig, extra_tags: Mapping[str, str] | None = None, continue_run: str | None = None
 ) -> list[Logger]:
     """The logger chosen by ``logger=mlflow|csv|none`` (MLflow continues ``continue_run``), and
-    the config's own beside it (``logger.extra``: any Lightning logger by ``_target_``; they
-    write from rank 0, as Lightning's loggers do)."""
+    the config's own beside it (``logger.tensorboard``; ``logger.extra``: any Lightning logger by
+    ``_target_``; they write from rank 0, as Lightning's loggers do)."""
     with as_config_error("logger.extra"):
         extra = [instantiate(spec) for spec in cfg.logger.get("extra", {}).values()]
+    if cfg.logger.get("tensorboard"):  # events in <output folder>/tensorboard/
+        tensorboard = OneFileTensorBoardLogger(
+            cfg.paths.output_dir, name="tensorboard", version="", default_hp_metric=False
+        )
+        extra.insert(0, tensorboard)
     kind = cfg.logger.kind
     if kind == "none":
         return extra
@@ -285,13 +306,17 @@ def go_offline(logger: EpochMLFlowLogger, cfg: DictConfig) -> None:
 def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
     """The job's MLflow records go through the outbox while the block runs (a server; see
     :func:`send_through_outbox`); at its end, wait up to ``logger.send_timeout_s`` for them to
-    be sent; what is left is said in one line, with the command that sends it."""
+    be sent; what is left is said in one line, with the command that sends it. A TensorBoard
+    events file is closed then."""
     logger = mlflow_logger(loggers)
     if isinstance(logger, EpochMLFlowLogger) and logger.outbox is None:
         send_through_outbox(logger, Path(cfg.paths.output_dir), cfg.logger.tracking_uri)
     try:
         yield
     finally:
+        for tensorboard in loggers:
+            if isinstance(tensorboard, OneFileTensorBoardLogger):
+                tensorboard.close()
         if getattr(logger, "outbox", None) is not None:
             timeout_s = cfg.logger.get("send_timeout_s", 0)
             finish(logger.outbox, logger.sender, timeout_s, logger.run_id, logger.offline)
