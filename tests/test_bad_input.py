@@ -113,6 +113,7 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         (["ckpt_path=missing.ckpt"], "ckpt_path=missing.ckpt: no such file"),
         (["logger.run_id=abc123"], "logger.run_id=abc123 is not a run of sqlite:///"),
         (["logger.offline=true"], "logger.offline=true is for an MLflow server"),
+        (["+logger.tags.task=mine"], "logger.tags.task is a tag the template sets; use another"),
     ],
     ids=[
         "unknown-key",
@@ -145,6 +146,7 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         "missing-ckpt",
         "unknown-run-id",
         "offline-sqlite",
+        "tag-the-template-sets",
     ],
 )
 def test_bad_setting(overrides: list[str], message: str, tiny_root: Path, tmp_path: Path) -> None:

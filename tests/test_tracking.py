@@ -1,6 +1,7 @@
 """Tracking set-up against a real SQLite MLflow store."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 from mlflow import MlflowClient
+from omegaconf import OmegaConf
 
 from src.task import TASK
 from src.template.config import flatten
@@ -21,6 +23,7 @@ from src.template.tracking import (
     mask_override,
     mask_secrets,
     run_to_continue,
+    user_tags,
 )
 from tests.conftest import (
     PROJECT,
@@ -121,6 +124,38 @@ def test_an_offline_logger_opens_no_connection(tmp_path: Path) -> None:
     assert methods == ["create_run", "log_batch", "set_terminated"]
 
 
+def test_run_tags_and_notes_land_on_the_run(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    typed = ["logger.tags={team: vision, data: v2}", "logger.notes='first try, on CPU'"]
+    (logger,) = build_loggers(
+        compose_config("train", [f"logger.tracking_uri={uri}", *typed], tmp_path)
+    )
+    tags = MlflowClient(uri).get_run(logger.run_id).data.tags  # run_id opens the run
+    assert tags["team"] == "vision" and tags["data"] == "v2"
+    assert tags["mlflow.note.content"] == "first try, on CPU", "the UI's run description"
+    assert tags["task"] == "train", "the template's own tags stay"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+logger.tags.task=mine", "logger.tags.task is a tag the template sets; use another name"),
+        ("logger.tags=team", "logger.tags=team is not a set of name: value pairs; use e.g."),
+    ],
+)
+def test_tags_that_cannot_be_set(override: str, message: str, tmp_path: Path) -> None:
+    cfg = compose_config("train", [override], tmp_path)
+    with pytest.raises(TrackingError, match=f"^{re.escape(message)}"):
+        build_loggers(cfg)
+    assert not (tmp_path / "mlflow.db").exists(), "refused before the store is opened"
+
+
+def test_the_description_is_set_by_logger_notes() -> None:
+    logger = OmegaConf.create({"tags": {"mlflow.note.content": "x"}, "notes": None})
+    with pytest.raises(TrackingError, match="is a tag the template sets; use logger.notes"):
+        user_tags(logger, reserved=["task"])
+
+
 @pytest.mark.parametrize("kind", ["none", "csv", "mlflow"])
 def test_tensorboard_beside_any_logger(kind: str, tmp_path: Path) -> None:
     cfg = compose_config("train", [f"logger={kind}", "logger.tensorboard=true"], tmp_path)
@@ -219,7 +254,7 @@ def test_tensorboard_beside_mlflow_on_two_ranks(tiny_root: Path, tmp_path: Path)
     run_dir = tmp_path / "run"
     run_entry(
         "train", *tiny_overrides(tiny_root), "trainer.max_epochs=1", "strategy=ddp", "devices=2",
-        "logger.tensorboard=true", f"hydra.run.dir={run_dir}",
+        "logger.tensorboard=true", "+logger.tags.team=vision", f"hydra.run.dir={run_dir}",
         cwd=tmp_path,
     )  # fmt: skip
     (events,) = run_dir.rglob("events.out.tfevents.*")
@@ -227,5 +262,5 @@ def test_tensorboard_beside_mlflow_on_two_ranks(tiny_root: Path, tmp_path: Path)
     scalars = EventAccumulator(str(events)).Reload().Tags()["scalars"]
     assert {"train/loss", "val/acc", "test/acc"} <= set(scalars), scalars
     client, run = only_run(tmp_path / "mlflow.db")
-    assert run.info.status == "FINISHED"
+    assert run.info.status == "FINISHED" and run.data.tags["team"] == "vision"
     assert run.data.metrics["test/acc"] == pytest.approx(read_metrics(run_dir)["test/acc"])

@@ -143,6 +143,8 @@ def build_loggers(
             "logger.offline=true is for an MLflow server (logger.tracking_uri=http://...); "
             "a SQLite store is written directly"
         )
+    tags = {**run_tags(cfg), **(extra_tags or {})}
+    tags = {**user_tags(cfg.logger, reserved=list(tags)), **tags}
     if not offline:
         prepare_store(uri, cfg.logger.experiment_name)
     logger = EpochMLFlowLogger(
@@ -150,7 +152,7 @@ def build_loggers(
         run_name=cfg.logger.run_name,
         tracking_uri=uri,
         artifact_location=artifact_location(uri),
-        tags={**run_tags(cfg), **(extra_tags or {})},
+        tags=tags,
         run_id=f"offline-{uuid.uuid4().hex}" if offline else continue_run,
     )
     if offline:
@@ -210,6 +212,28 @@ def run_tags(cfg: DictConfig) -> dict[str, str]:
         tags["sweep.job"] = str(hydra.job.num)
     elif SWEEP_JOB_ENV in os.environ:  # a sweep's DDP job, run as its own process tree
         tags["sweep.id"], tags["sweep.job"] = os.environ[SWEEP_JOB_ENV].rsplit("/", 1)
+    return tags
+
+
+NOTE_TAG = "mlflow.note.content"  # what the MLflow UI shows and edits as a run's description
+
+
+def user_tags(logger: DictConfig, reserved: Sequence[str]) -> dict[str, str]:
+    """``logger.tags`` (name -> value) and ``logger.notes`` as run tags; the names the template
+    sets (``reserved``: where the run came from) are refused."""
+    given = logger.get("tags") or {}
+    if not isinstance(given, Mapping):
+        raise TrackingError(
+            f"logger.tags={given} is not a set of name: value pairs; use e.g. "
+            "'logger.tags={team: vision}' or +logger.tags.team=vision"
+        )
+    tags = {str(k): str(v) for k, v in given.items()}
+    for key in tags:
+        if key in reserved or key == NOTE_TAG:
+            use = "logger.notes" if key == NOTE_TAG else "another name"
+            raise TrackingError(f"logger.tags.{key} is a tag the template sets; use {use}")
+    if logger.get("notes"):
+        tags[NOTE_TAG] = str(logger.notes)
     return tags
 
 
