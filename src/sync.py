@@ -14,7 +14,6 @@ from typing import Any
 
 from src.template.environment import environment
 from src.template.outbox import FAIL_FAST, NODE_OUTBOX, Outbox, OutboxBusy, encode
-from src.template.reporting import quiet_library_notices
 from src.template.tracking import RUN_ID_FILE
 
 
@@ -70,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output_dir", type=Path, help="the job's output folder")
     parser.add_argument("--tracking-uri", help="the server, if not the one the job used")
     args = parser.parse_args(argv)
-    quiet_library_notices()  # urllib3's warning per retried request: the error line says it
     try:
         print(sync(args.output_dir, args.tracking_uri))
     except (OutboxBusy, FileNotFoundError, ConnectionError) as error:
