@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from src.template.environment import environment
-from src.template.outbox import FAIL_FAST, NODE_OUTBOX, Outbox, OutboxBusy, encode
+from src.template.outbox import NODE_OUTBOX, Outbox, OutboxBusy, encode
+from src.template.store import FAIL_FAST
 from src.template.tracking import RUN_ID_FILE
 
 

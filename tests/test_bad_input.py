@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import N_TRAIN, run_entry, tiny_overrides
+from src.task.data.mnist import FILES
+from tests.conftest import N_TEST, N_TRAIN, run_entry, tiny_overrides
+from tests.idx_data import make_dataset
 from tests.image_data import make_image_folder
 
 pytestmark = pytest.mark.slow
@@ -175,6 +177,20 @@ def test_empty_data_root_with_download_off(tiny_root: Path, tmp_path: Path) -> N
     assert f"MNIST-format data not found in {root}/MNIST/raw" in stderr
     assert "or set data.download=true" in stderr
     assert list(root.iterdir()) == []
+
+
+@pytest.mark.parametrize("download", ["false", "true"])
+def test_data_error_names_only_the_missing_file(download: str, tmp_path: Path) -> None:
+    root = tmp_path / "partial"
+    make_dataset(root, n_train=N_TRAIN, n_test=N_TEST)
+    raw = root / "MNIST" / "raw"
+    missing, *present = "t10k-labels-idx1-ubyte", *FILES[:3]
+    (raw / f"{missing}.gz").unlink()
+    env = OFFLINE if download == "true" else None
+    stderr = fails_before_any_work(tmp_path, f"data.download={download}", data_root=root, env=env)
+    assert f"MNIST-format data not found in {raw} (missing {missing}.gz;" in stderr
+    assert not [name for name in present if name in stderr], f"present files named: {stderr}"
+    assert sorted(p.name for p in raw.iterdir()) == sorted(f"{name}.gz" for name in present)
 
 
 def test_more_gpus_than_the_machine_has(tiny_root: Path, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from src.task.model import ImageClassifier
 from src.task.nets.convnet import ConvNet
 from src.template.config import check_keys, check_sections
 from src.template.distributed import check_devices
+from src.template.sweeps import register_resolvers
 from src.template.tracking import build_loggers
 from src.template.trainer import build_callbacks, build_trainer, check_settings
 from tests.conftest import PROJECT
@@ -30,6 +31,7 @@ GROUP_OPTIONS = [
 
 def compose_config(name: str, overrides: list[str], workdir: Path) -> DictConfig:
     """Compose like ``@hydra.main`` does, with the runtime folders a real launch would set."""
+    register_resolvers()  # as every entry point does before Hydra composes
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(name, overrides=overrides, return_hydra_config=True)
     OmegaConf.set_readonly(cfg.hydra, False)

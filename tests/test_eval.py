@@ -47,7 +47,7 @@ def test_eval_is_an_mlflow_run_linked_to_its_training_run(
     run_eval(trained, tiny_root, workdir)
     _, source = only_run(workdir / "mlflow.db", task="train")
     client, run = only_run(workdir / "mlflow.db", task="eval")
-    assert run.info.status == "FINISHED" and run.info.run_name == "eval-mnist"
+    assert run.info.status == "FINISHED" and run.info.run_name == "eval mnist"
     assert run.data.tags["source_run_id"] == source.info.run_id
     assert run.data.tags["mlflow.parentRunId"] == source.info.run_id  # nested in the UI
     assert run.data.tags["source_checkpoint"] == str(best_checkpoint(trained["run_dir"]))

@@ -1,7 +1,7 @@
-"""The README's "Make it yours" steps, followed for real: a small RGB image folder trained with
-both shipped networks on 2 ranks, evaluated on 3 ranks exactly as on 1, predicted, with colour
-figures; then a network added as one module and one config file, copied from the README's own
-code blocks into a copy of the project, trained and evaluated there."""
+"""The "Make it yours" steps (docs/make-it-yours.md), followed for real: a small RGB image folder
+trained with both shipped networks on 2 ranks, evaluated on 3 ranks exactly as on 1, predicted,
+with colour figures; then a network added as one module and one config file, copied from the
+page's own code blocks into a copy of the project, trained and evaluated there."""
 
 import csv
 import re
@@ -33,11 +33,9 @@ def tiny(images: Path) -> list[str]:
 
 
 def readme_files() -> dict[str, str]:
-    """The code blocks of the README's "Make it yours" whose first line names their file."""
-    text = (PROJECT / "README.md").read_text()
-    section = text[text.index("## Make it yours") :]
-    section = section[: section.index("\n## ", 1)]
-    blocks = re.findall(r"```(?:python|yaml)\n# (\S+)\n(.*?)```", section, re.DOTALL)
+    """The code blocks of docs/make-it-yours.md whose first line names their file."""
+    text = (PROJECT / "docs" / "make-it-yours.md").read_text()
+    blocks = re.findall(r"```(?:python|yaml)\n# (\S+)\n(.*?)```", text, re.DOTALL)
     return {path: f"# {path}\n{body}" for path, body in blocks}
 
 

@@ -54,7 +54,7 @@ def test_mlflow_review_notebook(
     notebook = execute("mlflow_review.ipynb")
     text = text_of(notebook)
     assert "2 training runs in 'mnist'" in text
-    assert "best run train-mnist" in text
+    assert "best run train mnist" in text
     assert images_in(notebook) == 2, "the sweep plot and the confusion matrix"
 
 

@@ -1,12 +1,14 @@
-"""Every shell command the README shows that runs an entry point, run as typed on tiny data.
+"""Every shell command the README and the ``docs/`` pages show that runs an entry point, run as
+typed on tiny data; and every relative link of those pages, checked.
 
-The commands are read from README.md when the tests are collected: each fenced ``bash``, ``sh``,
-``shell`` or ``console`` block is split into commands, and every command that runs ``src.train``,
-``src.eval`` or ``src.predict`` becomes one test. A new README command is covered without writing
-a test. Each runs in a fresh launch folder (where the README says ``outputs/``, ``mlflow.db`` and
-``optuna.db`` land) with only ``APPENDED`` added at its end and the placeholders a reader fills in
-(``ckpt_path=PATH``, ``[same overrides]``) replaced. A command that cannot run here is listed in
-``SKIPPED`` with the reason; any other placeholder fails its test.
+The commands are read from README.md and docs/*.md when the tests are collected: each fenced
+``bash``, ``sh``, ``shell`` or ``console`` block is split into commands, and every distinct command
+that runs ``src.train``, ``src.eval`` or ``src.predict`` becomes one test, whose id names the pages
+that show it (a command shown on several pages runs once). A new command in the README or a docs
+page is covered without writing a test. Each runs in a fresh launch folder (where the pages say
+``outputs/``, ``mlflow.db`` and ``optuna.db`` land) with only ``APPENDED`` added at its end and the
+placeholders a reader fills in (``ckpt_path=PATH``, ``[same overrides]``) replaced. A command that
+cannot run here is listed in ``SKIPPED`` with the reason; any other placeholder fails its test.
 """
 
 import json
@@ -31,6 +33,8 @@ from tests.idx_data import make_dataset
 from tests.image_data import make_image_folder
 
 README = PROJECT / "README.md"
+# The guide and its reference pages, README first: the pages whose commands are run.
+PAGES = [README, *sorted((PROJECT / "docs").glob("*.md"))]
 SHELL_BLOCKS = {"bash", "sh", "shell", "console"}
 ENTRY_POINTS = ("src.train", "src.eval", "src.predict")
 N_TRIALS = 2
@@ -137,6 +141,17 @@ def readme_commands(markdown: str) -> list[ReadmeCommand]:
             if set(tokens) & set(ENTRY_POINTS) and command not in found:
                 found.append(command)
     return found
+
+
+def page_commands(pages: list[Path], root: Path = PROJECT) -> dict[ReadmeCommand, list[str]]:
+    """Every distinct entry-point command of ``pages``, in page order, with the pages (relative
+    to ``root``) that show it: a command on several pages is one test."""
+    shown: dict[ReadmeCommand, list[str]] = {}
+    for page in pages:
+        name = page.relative_to(root).as_posix()
+        for command in readme_commands(page.read_text()):
+            shown.setdefault(command, []).append(name)
+    return shown
 
 
 def command_id(text: str, width: int = 100) -> str:
@@ -417,7 +432,8 @@ def check_outputs(tokens: list[str], proc: subprocess.CompletedProcess, workdir:
 # --- fixtures and tests ---------------------------------------------------------------------
 
 
-COMMANDS = readme_commands(README.read_text())
+SHOWN = page_commands(PAGES)
+COMMANDS = list(SHOWN)
 
 
 @pytest.fixture(scope="session")
@@ -452,12 +468,12 @@ def readme_checkpoint(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "command", [pytest.param(c, id=command_id(c.text)) for c in COMMANDS]
+    "command", [pytest.param(c, id=f"{'+'.join(SHOWN[c])}: {command_id(c.text)}") for c in COMMANDS]
 )  # fmt: skip
 def test_readme_command(
     command: ReadmeCommand, readme_data: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """The README command runs as typed, from a fresh launch folder, on tiny data."""
+    """The command runs as typed, from a fresh launch folder, on tiny data."""
     if reason := skip_reason(command.text):
         pytest.skip(reason)
     checkpoint = None
@@ -579,5 +595,126 @@ def test_expected_jobs_and_appended_overrides() -> None:
 
 
 def test_readme_shows_every_entry_point() -> None:
-    shown = {task_of(list(command.tokens)) for command in COMMANDS}
-    assert shown == {"train", "eval", "predict"}, [command.text for command in COMMANDS]
+    in_readme = readme_commands(README.read_text())
+    shown = {task_of(list(command.tokens)) for command in in_readme}
+    assert shown == {"train", "eval", "predict"}, [command.text for command in in_readme]
+
+
+def test_commands_on_several_pages_run_once(tmp_path: Path) -> None:
+    pages = [tmp_path / "README.md", tmp_path / "docs" / "a.md"]
+    pages[1].parent.mkdir()
+    pages[0].write_text("```bash\npython -m src.train   # train\n```\n")
+    pages[1].write_text("```bash\npython -m src.train\npython -m src.eval ckpt_path=PATH\n```\n")
+    shown = page_commands(pages, root=tmp_path)
+    assert {c.text: where for c, where in shown.items()} == {
+        "python -m src.train": ["README.md", "docs/a.md"],
+        "python -m src.eval ckpt_path=PATH": ["docs/a.md"],
+    }
+
+
+# --- links ----------------------------------------------------------------------------------
+
+LINK = re.compile(r"\[[^\]]*\]\(([^()\s]+)\)")
+
+
+def without_fences(markdown: str) -> str:
+    """``markdown`` without its fenced blocks (a ``# comment`` there is no heading)."""
+    return re.sub(r"(?ms)^ *(`{3,}|~{3,}).*?^ *\1", "", markdown)
+
+
+def prose(markdown: str) -> str:
+    """``markdown`` without its fenced blocks and inline code spans: where links are."""
+    return re.sub(r"(`+).+?\1", "", without_fences(markdown))
+
+
+def anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives the headings of ``markdown``: lowercase, punctuation dropped,
+    spaces as ``-``, a repeated one suffixed ``-1``, ``-2``, ..."""
+    found: set[str] = set()
+    for heading in re.findall(r"(?m)^#{1,6} +(.+?) *#* *$", without_fences(markdown)):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in found:
+            n += 1
+            candidate = f"{slug}-{n}"
+        found.add(candidate)
+    return found
+
+
+def broken_links(page: Path) -> list[str]:
+    """The relative links of ``page`` whose file, or heading in it, does not exist."""
+    broken = []
+    for target in LINK.findall(prose(page.read_text())):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists() or (
+            anchor and linked.suffix == ".md" and anchor not in anchors(linked.read_text())
+        ):
+            broken.append(target)
+    return broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(PROJECT).as_posix() for p in PAGES])
+def test_relative_links_resolve(page: Path) -> None:
+    assert not broken_links(page), f"links in {page.name} to no file or heading"
+
+
+def test_readme_links_every_docs_page() -> None:
+    linked = {
+        (README.parent / t.partition("#")[0]).resolve()
+        for t in LINK.findall(prose(README.read_text()))
+    }
+    assert [p.name for p in PAGES[1:] if p.resolve() not in linked] == []
+
+
+# --- the configuration page ------------------------------------------------------------------
+
+CONF = PROJECT / "conf"
+SETUPS = ("experiment", "hparams_search")  # whole setups: values of keys set elsewhere
+
+
+def leaf_keys(node: dict, prefix: str = "") -> Iterator[str]:
+    """The dotted keys of a YAML mapping's leaves (an empty mapping is a leaf)."""
+    for key, value in node.items():
+        if key == "defaults" and not prefix:
+            continue
+        if isinstance(value, dict) and value:
+            yield from leaf_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+def config_keys() -> set[str]:
+    """Every key a config file under ``conf/`` sets, as typed on the command line."""
+    keys: set[str] = set()
+    for path in sorted(CONF.rglob("*.yaml")):
+        group = path.parent.relative_to(CONF).as_posix()
+        if group.split("/")[0] in SETUPS or path == CONF / "hydra" / "default.yaml":
+            continue  # hydra/default.yaml: Hydra's own output layout
+        text = path.read_text()
+        is_global = group == "." or "# @package _global_" in text
+        prefix = "" if is_global else group.replace("/", ".") + "."
+        keys.update(prefix + key for key in leaf_keys(yaml.safe_load(text) or {}))
+    return keys
+
+
+def test_configuration_page_names_every_key() -> None:
+    page = (PROJECT / "docs" / "configuration.md").read_text()
+    assert "model.net.channels" in config_keys()
+    assert [key for key in sorted(config_keys()) if f"`{key}`" not in page] == []
+
+
+def test_link_checker_on_a_sample(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "b.md").write_text(
+        "# B page\n\n## Sweeps on SLURM\n\n## `src.sync` (outbox)\n"
+    )
+    page = tmp_path / "README.md"
+    page.write_text(
+        "# Top\n\n```bash\n# not a heading\n```\n[a](docs/b.md) [b](docs/b.md#sweeps-on-slurm) "
+        "[c](docs/b.md#srcsync-outbox) [d](#top) [e](https://x.org/y) `[f](nowhere.md)` "
+        "[g](docs/c.md) [h](docs/b.md#nope) [i](#not-a-heading)\n"
+    )
+    assert broken_links(page) == ["docs/c.md", "docs/b.md#nope", "#not-a-heading"]

@@ -113,8 +113,8 @@ def predicted_by_src_predict(workdir: Path, job: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_the_best_job_of_a_sweep_is_registered_and_served(tiny_root: Path, tmp_path: Path) -> None:
-    """The README's path: a sweep (each job logs its model), src.register picks the best job by
-    optimized_metric, and `mlflow models serve` answers as src.predict does."""
+    """The path of docs/mlflow.md: a sweep (each job logs its model), src.register picks the best
+    job by optimized_metric, and `mlflow models serve` answers as src.predict does."""
     run_entry("train", "-m", *tiny_overrides(tiny_root), "seed=1,2",
               "logger.registered_model_name=every-job", cwd=tmp_path)  # fmt: skip
     (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
@@ -130,8 +130,20 @@ def test_the_best_job_of_a_sweep_is_registered_and_served(tiny_root: Path, tmp_p
         assert test_metrics == {k: v for k, v in job_metrics.items() if k.startswith("test/")}
         run = client.get_run(model.source_run_id)
         assert [o.model_id for o in run.outputs.model_outputs] == [model.model_id]
+        # The UI's "Datasets used" on the model: its metrics name the split they were measured on.
+        test_set = next(
+            d.dataset for d in run.inputs.dataset_inputs if d.dataset.name.endswith("/test")
+        )
+        assert {(m.dataset_name, m.dataset_digest) for m in model.metrics} == {
+            (test_set.name, test_set.digest)
+        }
+        # Registered by MLflow's register_model: the model names its version (the UI's link).
+        (linked,) = json.loads(model.tags["mlflow.modelVersions"])
+        assert linked["name"] == "every-job"
     versions = client.search_model_versions("name = 'every-job'")
     assert sorted(v.run_id for v in versions) == sorted(runs), "one version per job"
+    kind = client.get_experiment(experiment).tags["mlflow.experimentKind"]
+    assert kind == "custom_model_development", "the UI opens the experiment on its training runs"
 
     scores = {job: json.loads((sweep / job / "metrics.json").read_text())["val/acc_best"]
               for job in ("0", "1")}  # fmt: skip

@@ -63,7 +63,8 @@ def test_sbatch_from_a_fresh_store_matches_two_devices(
     tiny_root: Path,
     tmp_path: Path,
 ) -> None:
-    # As the README shows it, on CPU nodes; srun starts both ranks at once on a fresh mlflow.db.
+    # As docs/clusters.md shows it, on CPU nodes; srun starts both ranks at once on a fresh
+    # mlflow.db.
     job, proc = sbatch(
         tmp_path, f"--nodes={nodes}", f"--ntasks-per-node={per_node}", "--gpus-per-node=0",
         str(SBATCH), *tiny_overrides(tiny_root), "trainer.max_epochs=1",
@@ -208,7 +209,7 @@ def mlflow_runs(store: Path) -> list:
 def test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks(
     slurm_cluster: None, tiny_root: Path, tmp_path: Path
 ) -> None:
-    # The README's command, on a fresh store; both jobs start together on the 4-CPU node.
+    # The command of docs/clusters.md, on a fresh store; both jobs start together on the 4-CPU node.
     overrides = [o for o in tiny_overrides(tiny_root) if not o.startswith("model.lr=")]
     proc = run_entry(
         "train", "-m", "hydra/launcher=slurm", "strategy=ddp", "devices=2", "accelerator=cpu",

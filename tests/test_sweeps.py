@@ -65,6 +65,11 @@ def test_ddp_sweep_runs_every_job_once_with_its_own_world(tiny_root: Path, tmp_p
     } == expected
     assert len({run.data.tags["sweep.id"] for run in runs.values()}) == 1
     assert all(run.info.status == "FINISHED" for run in runs.values())
+    # Each run is named for what its job varies (DDP jobs run as their own process tree too).
+    assert {job: (r.info.run_name, r.data.tags["world_size"]) for job, r in runs.items()} == {
+        job: (f"train mnist devices={world} lr={lr}", world)
+        for job, (world, lr) in expected.items()
+    }
     for job, (world, lr) in expected.items():
         lines = rank_lines(sweep / str(job))
         assert len(lines) == int(world), "one line per rank, each in the job's own folder"

@@ -33,6 +33,20 @@ def test_the_sampler_writes_mlflows_readings_at_every_step() -> None:
     assert all(expected <= set(metrics) for metrics, _ in written)
 
 
+def test_a_job_shorter_than_the_interval_gets_a_first_and_a_last_reading() -> None:
+    written: list[tuple[dict[str, float], int]] = []
+    busy = "http://127.0.0.1:9"
+    sampler = Sampler(60, "system/", lambda m, step: written.append((m, step)), 0, busy)
+    sampler.start()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:  # keep a core busy: the readings are not 0 %
+        sum(range(10_000))
+    sampler.stopping.set()
+    sampler.join(timeout=10)
+    assert [step for _, step in written] == [0, 1], "one soon after start-up, one at the end"
+    assert all(m["system/cpu_utilization_percentage"] > 0 for m, _ in written)
+
+
 def test_src_sync_sends_the_other_nodes_outboxes_too(tmp_path: Path) -> None:
     client, run_id = sqlite_run(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -1,8 +1,8 @@
 """The proof of the task contract (issue #25): in a copy of the project, the image classifier is
 deleted and a regression on synthetic vectors (``tests/regression_task/``) takes its place by
-edits to ``src/task/`` and ``conf/`` only, the README's "Make it yours" steps for another kind of
-task. The unchanged machinery then trains it on 1 and 2 ranks (the same metrics), evaluates and
-predicts with its checkpoint, sweeps it, logs it as an MLflow model and serves it."""
+edits to ``src/task/`` and ``conf/`` only, the "Make it yours" steps of docs/make-it-yours.md for
+another kind of task. The unchanged machinery then trains it on 1 and 2 ranks (the same metrics),
+evaluates and predicts with its checkpoint, sweeps it, logs it as an MLflow model and serves it."""
 
 import csv
 import filecmp
@@ -46,7 +46,7 @@ def set_line(path: Path, pattern: str, line: str) -> None:
 
 
 def make_it_a_regression(copy: Path) -> None:
-    """The README's steps for another kind of task, in ``copy``."""
+    """The steps of docs/make-it-yours.md for another kind of task, in ``copy``."""
     # 1. Delete the image task: its package and the configs of its datasets and networks.
     shutil.rmtree(copy / "src" / "task")
     for group in ("data", "model", "experiment", "hparams_search"):

@@ -72,11 +72,11 @@ IMAGE_TEST = os.environ.get("IMAGE_TEST") == "1"
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not IMAGE_TEST, reason="opt-in: IMAGE_TEST=1 with buildah/podman set up (README)"
+    not IMAGE_TEST, reason="opt-in: IMAGE_TEST=1 with buildah/podman set up (docs/clusters.md)"
 )
 def test_image_builds_and_trains(tmp_path: Path) -> None:
     """Build the image daemonless on the local Debian base, then train in it on tiny data."""
-    assert shutil.which("buildah") and shutil.which("podman"), "see README: Docker"
+    assert shutil.which("buildah") and shutil.which("podman"), "see docs/clusters.md: Docker"
     tag = "localhost/lightning-template-test"
     base = os.environ.get("BASE_IMAGE", "localhost/bookworm-min")
     subprocess.run(

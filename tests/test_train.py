@@ -61,7 +61,7 @@ def test_train_logs_one_finished_mlflow_run(trained: dict[str, Path]) -> None:
     assert store.is_file(), "the default store is mlflow.db in the launch folder"
     client, run = only_run(store)
     assert run.info.status == "FINISHED"
-    assert run.info.run_name == "train-mnist"
+    assert run.info.run_name == "train mnist"
     assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(
         trained["workdir"] / "mlartifacts"
     )
@@ -232,7 +232,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(
 
     # The same job, its last rank process SIGKILLed as soon as a first last.ckpt exists and its
     # epoch's train/* metrics are in MLflow: Lightning logs them just after the epoch-end
-    # checkpoint, and a kill in between loses those points (README: When things go wrong).
+    # checkpoint, and a kill in between loses those points (docs/troubleshooting.md).
     job = Job(crashed, *overrides)
     try:
         processes = job.wait_for_checkpoint(ranks=devices)

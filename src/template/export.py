@@ -7,11 +7,12 @@ output folder; :func:`log_model` makes that folder a LoggedModel of the job's ru
 the run's final metrics to it) and registers it.
 """
 
+import io
 import json
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from src.template.task import ModelExport
 
 MODEL_FOLDER = "model"  # in the output folder: the saved MLflow model
 MODEL_NAME = "model"  # its name in the run
+SPLIT_CONTEXTS = {"val": "validation"}  # a metric's prefix -> its dataset input's context
 KEY_TAG = "template.model_key"  # on a LoggedModel: which job's model it is (see log_model)
 
 
@@ -113,13 +115,24 @@ def upload(client: Any, run: Any, folder: Path, step: int, key: str, metrics: Se
         params=run.data.params, model_type=model_type.get("model_type"),
     )  # fmt: skip
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=step)])
-    linked = [  # the job's final metrics (e.g. test/*), not system readings of the same step
-        Metric(m.key, m.value, m.timestamp, m.step, model_id=model.model_id, run_id=run_id)
-        for key in metrics
-        if key in run.data.metrics
-        for m in client.get_metric_history(run_id, key)
-        if m.step == step and m.model_id is None
-    ]
+    # The job's final metrics (e.g. test/*), not system readings of the same step, each with the
+    # dataset of its split, which the UI lists as the model's "Datasets used".
+    datasets = {
+        tag.value: d.dataset
+        for d in run.inputs.dataset_inputs
+        for tag in d.tags
+        if tag.key == "mlflow.data.context"
+    }
+    linked = []
+    for key in metrics:
+        split = datasets.get(SPLIT_CONTEXTS.get(key.split("/")[0], key.split("/")[0]))
+        for m in client.get_metric_history(run_id, key) if key in run.data.metrics else ():
+            if m.step == step and m.model_id is None:
+                linked.append(
+                    Metric(m.key, m.value, m.timestamp, m.step, model_id=model.model_id,
+                           run_id=run_id, dataset_name=split and split.name,
+                           dataset_digest=split and split.digest)
+                )  # fmt: skip
     client.log_batch(run_id, metrics=linked)
     with tempfile.TemporaryDirectory() as staging:
         copy_ = Path(shutil.copytree(folder, Path(staging, MODEL_FOLDER)))
@@ -134,18 +147,13 @@ def upload(client: Any, run: Any, folder: Path, step: int, key: str, metrics: Se
 
 def register(client: Any, name: str, run_id: str, model_id: str) -> tuple[int, bool]:
     """The version of the registered model ``name`` that is the LoggedModel ``model_id``, made
-    once; and whether it was made now."""
-    from mlflow.exceptions import MlflowException
+    once (by MLflow's own ``register_model``, which links model, version and run in the UI);
+    and whether it was made now."""
+    import mlflow
 
-    try:
-        client.create_registered_model(name)
-    except MlflowException as error:
-        if error.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
     for version in client.search_model_versions(f"name = '{name}'"):
         if version.source == f"models:/{model_id}":
             return int(version.version), False
-    version = client.create_model_version(
-        name, source=f"models:/{model_id}", run_id=run_id, model_id=model_id
-    )
+    with environment(MLFLOW_TRACKING_URI=client.tracking_uri), redirect_stderr(io.StringIO()):
+        version = mlflow.register_model(f"models:/{model_id}", name)  # it prints what it did
     return int(version.version), True

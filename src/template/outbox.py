@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from src.template.store import EXPERIMENT_TAGS
+
 log = logging.getLogger(__name__)
 
 OUTBOX = "mlflow_outbox"  # the job's outbox: <output folder>/mlflow_outbox.jsonl (and .sent)
@@ -39,13 +41,9 @@ WRITES: dict[str, tuple[str, ...]] = {
     "update_run": ("status", "name"),
     "set_terminated": ("status", "end_time"),
     "log_artifact": ("local_path", "artifact_path"),
-    "log_inputs": ("datasets", "models"),
+    "log_inputs": ("datasets",),
     "log_model": ("folder", "step", "key", "registered_name", "metrics"),  # see export.py
 }
-# For a caller that must know within seconds whether the server answers (the job's start-up
-# check, src.sync), instead of after MLflow's minutes of retries: one retry, 30 s per request
-# (an upload of a large checkpoint is one request).
-FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 
 
 class OutboxBusy(RuntimeError):
@@ -56,55 +54,44 @@ class OutboxBusy(RuntimeError):
 
 
 def encode(method: str, run_id: str, **kwargs: Any) -> dict[str, Any]:
-    record: dict[str, Any] = {"method": method, "run_id": run_id}
-    if method == "log_batch":
-        record["metrics"] = [
-            [m.key, m.value, m.timestamp, m.step] for m in kwargs.get("metrics") or ()
-        ]
-        record["params"] = [[p.key, p.value] for p in kwargs.get("params") or ()]
-        record["tags"] = [[t.key, t.value] for t in kwargs.get("tags") or ()]
-    elif method == "set_tag":
-        record["key"], record["value"] = kwargs["key"], str(kwargs["value"])
-    elif method == "update_run":
-        record["status"], record["name"] = kwargs.get("status"), kwargs.get("name")
-    elif method == "set_terminated":
-        record["status"] = kwargs.get("status") or "FINISHED"
-        record["end_time"] = kwargs.get("end_time") or int(time.time() * 1000)  # now, not sync time
-    elif method == "log_artifact":
-        record["local_path"] = str(Path(kwargs["local_path"]).resolve())
-        record["artifact_path"] = kwargs.get("artifact_path")
-    elif method == "log_model":
-        record["folder"] = str(Path(kwargs["folder"]).resolve())
-        record["step"], record["key"] = kwargs["step"], kwargs["key"]
-        record["registered_name"] = kwargs.get("registered_name")
-        record["metrics"] = list(kwargs.get("metrics") or ())
-    elif method == "create_run":
-        record["experiment_name"], record["run_name"] = (
-            kwargs["experiment_name"],
-            kwargs["run_name"],
-        )
-        record["tags"], record["start_time"] = kwargs["tags"], int(time.time() * 1000)
-    elif method == "log_inputs":
-        record["datasets"] = [
-            {
-                "name": d.dataset.name, "digest": d.dataset.digest, "source": d.dataset.source,
-                "source_type": d.dataset.source_type, "tags": {t.key: t.value for t in d.tags},
-            }
-            for d in kwargs.get("datasets") or ()
-        ]  # fmt: skip
-    else:
+    """A client call as a JSON record."""
+    if method not in WRITES and method != "create_run":
         raise ValueError(f"the outbox does not carry {method}")
+    record = {"method": method, "run_id": run_id}
+    for key, value in kwargs.items():
+        if key == "synchronous":
+            continue
+        value = plain(value)
+        record[key] = str(Path(value).resolve()) if key in ("local_path", "folder") else value
+    now = int(time.time() * 1000)  # when it happened, not when it is sent
+    if method == "set_tag":
+        record["value"] = str(record["value"])
+    elif method == "set_terminated":
+        record["status"] = record.get("status") or "FINISHED"
+        record["end_time"] = record.get("end_time") or now
+    elif method == "create_run":
+        record["start_time"] = now
     return record
+
+
+def plain(value: Any) -> Any:
+    """MLflow entities (Metric, Param, DatasetInput, ...) as JSON-ready dicts, recursively."""
+    if isinstance(value, list | tuple):
+        return [plain(item) for item in value]
+    if hasattr(type(value), "from_dictionary"):
+        return {key: plain(item) for key, item in value}
+    return value
 
 
 def create_run(client: Any, record: dict[str, Any]) -> str:
     """The run an offline job's ``create_run`` record stands for: found by its placeholder tag
     if an earlier sync made it, else made now. Its id."""
-    experiment = client.get_experiment_by_name(record["experiment_name"])
+    name = record["experiment_name"]
+    experiment = client.get_experiment_by_name(name)
     experiment_id = (
         experiment.experiment_id
-        if experiment is not None
-        else client.create_experiment(record["experiment_name"])
+        if experiment
+        else client.create_experiment(name, tags=EXPERIMENT_TAGS)
     )
     placeholder = record["run_id"]
     found = client.search_runs(
@@ -124,35 +111,24 @@ def send(client: Any, record: dict[str, Any]) -> None:
     from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 
     method, run_id = record["method"], record["run_id"]
+    kwargs = {key: record[key] for key in WRITES[method] if key in record}
     if method == "log_batch":
-        client.log_batch(
-            run_id,
-            metrics=[Metric(k, v, ts, step) for k, v, ts, step in record["metrics"]],
-            params=[Param(k, v) for k, v in record["params"]],
-            tags=[RunTag(k, v) for k, v in record["tags"]],
-        )
-    elif method == "set_tag":
-        client.set_tag(run_id, record["key"], record["value"])
-    elif method == "update_run":
-        client.update_run(run_id, status=record["status"], name=record["name"])
-    elif method == "set_terminated":
-        client.set_terminated(run_id, record["status"], end_time=record["end_time"])
-    elif method == "log_artifact":
-        client.log_artifact(run_id, record["local_path"], record["artifact_path"])
+        for key, entity in (("metrics", Metric), ("params", Param), ("tags", RunTag)):
+            kwargs[key] = [entity.from_dictionary(item) for item in kwargs.get(key) or ()]
+    elif method == "log_inputs":
+        kwargs["datasets"] = [
+            DatasetInput(
+                Dataset.from_dictionary(d["dataset"]),
+                [InputTag.from_dictionary(t) for t in d["tags"]],
+            )
+            for d in kwargs.get("datasets") or ()
+        ]
     elif method == "log_model":
         from src.template.export import log_model
 
-        log_model(client.tracking_uri, run_id, Path(record["folder"]), record["step"],
-                  record["key"], record["registered_name"], record.get("metrics", ()))  # fmt: skip
-    elif method == "log_inputs":
-        datasets = [
-            DatasetInput(
-                Dataset(d["name"], d["digest"], d["source_type"], d["source"]),
-                [InputTag(key, value) for key, value in d["tags"].items()],
-            )
-            for d in record["datasets"]
-        ]
-        client.log_inputs(run_id, datasets=datasets)
+        log_model(client.tracking_uri, run_id, Path(kwargs.pop("folder")), **kwargs)
+        return
+    getattr(client, method)(run_id, **kwargs)
 
 
 def refused(error: Exception) -> bool:

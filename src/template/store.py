@@ -13,10 +13,15 @@ from omegaconf import DictConfig
 
 from src.template.distributed import launch_rank, requested_processes
 from src.template.environment import environment
-from src.template.outbox import FAIL_FAST
 
 SQLITE_PREFIX = "sqlite:///"
 MASK = "***"
+EXPERIMENT_KIND, TRAINING = "mlflow.experimentKind", "custom_model_development"  # MLflow 3 UI
+EXPERIMENT_TAGS = {EXPERIMENT_KIND: TRAINING}
+# For a caller that must know within seconds whether the server answers (the job's start-up
+# check, src.sync), instead of after MLflow's minutes of retries: one retry, 30 s per request
+# (an upload of a large checkpoint is one request).
+FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 URL_CREDENTIALS = re.compile(r"(\w+://[^/:@\s]+):[^@\s]+@")
 
 
@@ -71,7 +76,7 @@ def prepare_store(tracking_uri: str, experiment_name: str) -> None:
         reason = str(error).splitlines()[0][:200]
         raise TrackingError(
             f"MLflow server {mask_text(tracking_uri)} is not reachable ({reason}). Start it "
-            "(README: MLflow server) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
+            "(docs/mlflow.md: MLflow server) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
         ) from error
 
 
@@ -87,15 +92,19 @@ def locked(folder: Path) -> Iterator[None]:
 
 
 def ensure_experiment(client: Any, name: str, tracking_uri: str) -> None:
-    """The experiment exists (created here, where only one job creates it at a time, rather than
-    by Lightning's logger in every job)."""
-    if client.get_experiment_by_name(name) is not None:
-        return
-    try:
-        client.create_experiment(name, artifact_location=artifact_location(tracking_uri))
-    except Exception:
-        if client.get_experiment_by_name(name) is None:  # not another job's creation
-            raise
+    """The experiment exists (created here, one job at a time, not by Lightning's logger in every
+    job), marked as model training so the MLflow UI opens it on its runs (not on GenAI traces)."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        try:
+            client.create_experiment(
+                name, artifact_location=artifact_location(tracking_uri), tags=EXPERIMENT_TAGS
+            )
+        except Exception:
+            if client.get_experiment_by_name(name) is None:  # not another job's creation
+                raise
+    elif EXPERIMENT_KIND not in experiment.tags:
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND, TRAINING)
 
 
 def mask_text(text: str) -> str:

@@ -27,7 +27,35 @@ class SweepJobFailed(RuntimeError):
     """A sweep's DDP job, run as its own process tree, failed (it printed why)."""
 
 
-SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep id>/<job number>" for a sweep's DDP job
+SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep folder>/<job number>" for a sweep's DDP job
+
+
+def sweep_job() -> tuple[Path, str] | None:
+    """(sweep folder, job number) of a sweep's job, also of a DDP job run as its own process."""
+    if in_multirun():
+        hydra = HydraConfig.get()
+        return Path(hydra.sweep.dir), str(hydra.job.num)
+    if SWEEP_JOB_ENV in os.environ:
+        folder, number = os.environ[SWEEP_JOB_ENV].rsplit("/", 1)
+        return Path(folder), number
+    return None
+
+
+def swept_overrides() -> list[str]:
+    """What this sweep job's config differs by from its sweep's command (e.g. ``lr=0.003``): its
+    overrides whose key the command did not fix (the sweeper saves the command's overrides in
+    ``multirun.yaml``), each by its last key."""
+    job = sweep_job()
+    if job is None or not HydraConfig.initialized():
+        return []
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parse = OverridesParser.create().parse_overrides
+    command = parse(list(OmegaConf.load(job[0] / "multirun.yaml").hydra.overrides.task))
+    fixed = {o.get_key_element() for o in command if not o.is_sweep_override()}
+    varied = [o.partition("=") for o in HydraConfig.get().overrides.task]
+    varied = [(key, sep, value) for key, sep, value in varied if key not in fixed]
+    return [f"{key.lstrip('+~').rsplit('.', 1)[-1]}{sep}{value}" for key, sep, value in varied]
 
 
 def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:
@@ -46,7 +74,7 @@ def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:
     out = Path(hydra.runtime.output_dir)
     command = [sys.executable, "-m", __main__.__spec__.name, *hydra.overrides.task]
     command.append(f"hydra.run.dir={out}")
-    env = {**os.environ, SWEEP_JOB_ENV: f"{Path(hydra.sweep.dir).name}/{hydra.job.num}"}
+    env = {**os.environ, SWEEP_JOB_ENV: f"{hydra.sweep.dir}/{hydra.job.num}"}
     log.info(
         "sweep job %s runs as its own DDP process tree: %s", hydra.job.num, shlex.join(command)
     )
@@ -62,5 +90,10 @@ def gpus_for(accelerator: str, devices: int) -> int:
 
 
 def register_resolvers() -> None:
-    """Resolvers the configs use (``${gpus_for:...}`` in conf/hydra/launcher/slurm.yaml)."""
+    """Resolvers the configs use: ``${gpus_for:...}`` (conf/hydra/launcher/slurm.yaml) and
+    ``${swept:}`` (conf/logger/*.yaml's run name)."""
     OmegaConf.register_new_resolver("gpus_for", gpus_for, replace=True)
+    # ${swept:} in logger.run_name: " lr=0.003" in a sweep job, "" in a single run
+    OmegaConf.register_new_resolver(
+        "swept", lambda: "".join(f" {o}" for o in swept_overrides()), replace=True
+    )

@@ -22,13 +22,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from src.template.outbox import NODE_OUTBOX, Outbox, OutboxClient, Sender, finish
 
 PREFIX = "system/"
+FIRST_READING_S = 1.0  # the first reading, this long after start-up
 
 Write = Callable[[dict[str, float], int], None]  # metrics at a step, to the run
 
 
 class Sampler(threading.Thread):
-    """Every ``every_s`` seconds, MLflow's system readings (averaged over the interval, as its
-    monitor does) written at the next step. Never waits for a server."""
+    """MLflow's system readings, written at the next step: soon after start-up, then every
+    ``every_s`` seconds, and when stopped. Never waits for a server."""
 
     def __init__(
         self, every_s: float, prefix: str, write: Write, first_step: int, tracking_uri: str
@@ -47,15 +48,18 @@ class Sampler(threading.Thread):
         source = SystemMetricsMonitor(
             "", sampling_interval=self.every_s, tracking_uri=self.tracking_uri
         )
-        while not self.stopping.is_set():
+        source.collect_metrics()  # psutil's first CPU reading is always 0: not one to write
+        for monitor in source.monitors:
+            monitor.clear_metrics()
+        wait, stopped = min(FIRST_READING_S, self.every_s), False
+        while not stopped:  # a reading soon after start-up, then every every_s, a last at the end
+            stopped = self.stopping.wait(wait)
             source.collect_metrics()
-            if self.stopping.wait(source.sampling_interval):
-                return  # an interval cut short by the end of training is not written
             readings = source.aggregate_metrics()
             for monitor in source.monitors:
                 monitor.clear_metrics()
             self.write({self.prefix + key: value for key, value in readings.items()}, self.step)
-            self.step += 1
+            self.step, wait = self.step + 1, self.every_s
 
 
 def writer(client: Any, run_id: str) -> Write:
@@ -123,7 +127,7 @@ class SystemMetrics(Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.sampler is not None:
             self.sampler.stopping.set()
-            self.sampler.join(timeout=10)  # at most one reading, which never waits for a server
+            self.sampler.join(timeout=10)  # its last reading, which never waits for a server
             self.sampler = None
         if self.outbox is not None:
             finish(self.outbox, self.sender, self.send_timeout_s, self.run_id or "")

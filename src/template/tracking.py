@@ -1,13 +1,7 @@
-"""Experiment tracking: which logger a job uses, the MLflow store, and what a run records.
-
-MLflow is the default. Lightning's ``MLFlowLogger`` opens the run lazily and from rank 0 only
-(``rank_zero_experiment``); everything here that writes to the run is rank-zero only too.
-A run records: the resolved config as params (masked where it looks like a credential), tags
-that say where it came from, per-epoch metrics (step = epoch), the data it read, and artifacts.
-"""
+"""What a job's MLflow run records, from rank 0: config as params, origin tags, per-epoch
+metrics, datasets, artifacts and the model. The store itself: store.py; the outbox: outbox.py."""
 
 import json
-import os
 import re
 import socket
 import sys
@@ -19,7 +13,6 @@ from typing import Any
 
 import lightning.pytorch as L
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
@@ -27,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from src.template.config import as_config_error, flatten
+from src.template.distributed import requested_processes
 from src.template.outbox import Outbox, OutboxClient, Sender, encode, finish
 from src.template.resume import epoch_finished
 from src.template.store import (
@@ -39,37 +33,31 @@ from src.template.store import (
     talks_to_store,
     without_password,
 )
-from src.template.sweeps import SWEEP_JOB_ENV
+from src.template.sweeps import sweep_job
 from src.template.system_metrics import SystemMetrics
 from src.template.task import Task
 
 SECRET_KEY = re.compile(r"password|token|secret|key", re.IGNORECASE)
 PARAM_LIMIT = 6000  # MLflow's maximum length of a param value
+RUN_ID_FILE = "mlflow_run_id.txt"  # in the output folder: the run a job (re)opened
 
 
 class EpochMLFlowLogger(MLFlowLogger):
-    """Epoch-level metrics use the epoch as their step, so the UI's x-axis counts epochs.
-
-    When it continues a run (a resumed training job), a metric is not logged again at a step the
-    run already has: a job killed after logging an epoch but before checkpointing it repeats
-    that epoch on resume, with the same values, and the history keeps one point per epoch.
-
-    An epoch cut short by ``max_steps`` (:class:`SkipCutEpoch`) is not logged: the job that
-    resumes and completes it logs it, once.
-    """
+    """Metrics at step = epoch, so the UI counts epochs. A continued run skips steps it already
+    has (a job killed between logging an epoch and checkpointing it repeats that epoch), and an
+    epoch cut short by ``max_steps`` is logged by the job that completes it, once."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.continued = kwargs.get("run_id") is not None
         self.last_step: dict[str, int] = {}  # per metric; a continued run's, read when reopened
         self.cut_epoch: int | None = None
-        self.outbox: Outbox | None = None  # with a server: set by send_through_outbox
+        self.outbox: Outbox | None = None  # with a server: set by `sending`
         self.sender: Sender | None = None
-        self.offline = False  # logger.offline: the outbox is all there is (see go_offline)
+        self.offline = False  # logger.offline: the outbox is all there is
 
     @property
     def experiment(self) -> Any:
-        """The client, once the run is open; with an outbox, one whose writes are queued."""
         if self.offline:
             return OutboxClient(None, self.outbox)
         client = super().experiment
@@ -116,9 +104,8 @@ class OneFileTensorBoardLogger(TensorBoardLogger):
 def build_loggers(
     cfg: DictConfig, extra_tags: Mapping[str, str] | None = None, continue_run: str | None = None
 ) -> list[Logger]:
-    """The logger chosen by ``logger=mlflow|csv|none`` (MLflow continues ``continue_run``), and
-    the config's own beside it (``logger.tensorboard``; ``logger.extra``: any Lightning logger by
-    ``_target_``; they write from rank 0, as Lightning's loggers do)."""
+    """``logger=mlflow|csv|none`` (MLflow continues ``continue_run``), plus ``logger.tensorboard``
+    and ``logger.extra``: any Lightning logger by ``_target_``."""
     with as_config_error("logger.extra"):
         extra = [instantiate(spec) for spec in cfg.logger.get("extra", {}).values()]
     if cfg.logger.get("tensorboard"):  # events in <output folder>/tensorboard/
@@ -133,8 +120,6 @@ def build_loggers(
         return [CSVLogger(save_dir=cfg.paths.output_dir, name="csv", version=""), *extra]
     if kind != "mlflow":
         raise ValueError(f"logger.kind={kind!r} is not one of mlflow, csv, none")
-    # Only rank 0 opens the store: ranks started together (torchrun, srun) would race to
-    # create a fresh store's schema.
     if not talks_to_store(cfg):
         return extra
     uri, offline = cfg.logger.tracking_uri, bool(cfg.logger.get("offline"))
@@ -155,12 +140,18 @@ def build_loggers(
         tags=tags,
         run_id=f"offline-{uuid.uuid4().hex}" if offline else continue_run,
     )
-    if offline:
-        go_offline(logger, cfg)
+    if offline:  # the run is a record for src.sync to create later; nothing contacts the server
+        from mlflow.tracking.context.registry import resolve_tags
+
+        logger.offline = True
+        logger.continued = False
+        logger.outbox = Outbox(Path(cfg.paths.output_dir), without_password(uri))
+        tags = resolve_tags({k: str(v) for k, v in (logger.tags or {}).items()})
+        logger.outbox.append(
+            encode("create_run", logger.run_id, experiment_name=cfg.logger.experiment_name,
+                   run_name=cfg.logger.run_name, tags=tags)
+        )  # fmt: skip
     return [logger, *extra]
-
-
-# --- what a run records
 
 
 def mlflow_logger(loggers: list[Logger]) -> MLFlowLogger | None:
@@ -176,7 +167,6 @@ def mask_secrets(values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def mask_override(override: str) -> str:
-    """``db.password=x`` → ``db.password=***``; other overrides keep their value, URLs masked."""
     key, sep, value = override.partition("=")
     return f"{key}{sep}{MASK}" if sep and SECRET_KEY.search(key) else mask_text(override)
 
@@ -196,22 +186,19 @@ def run_params(cfg: DictConfig, trainer: L.Trainer) -> dict[str, Any]:
 
 
 def run_tags(cfg: DictConfig) -> dict[str, str]:
-    """Where a run came from: command, overrides, code version, host, output folder, sweep."""
+    """Where a run came from: command, overrides, output folder, host, sweep."""
     hydra = HydraConfig.get()
+    command = [f"python -m src.{Path(sys.argv[0]).stem}", *map(mask_override, sys.argv[1:])]
     tags = {
-        "command": " ".join(
-            [f"python -m src.{Path(sys.argv[0]).stem}", *map(mask_override, sys.argv[1:])]
-        ),
+        "command": " ".join(command),
         "hydra.overrides": " ".join(mask_override(o) for o in hydra.overrides.task) or "(none)",
         "hydra.output_dir": str(cfg.paths.output_dir),
         "host": socket.gethostname(),
         "task": str(cfg.task_name),
+        "world_size": str(requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)),
     }
-    if hydra.mode == RunMode.MULTIRUN:
-        tags["sweep.id"] = Path(hydra.sweep.dir).name
-        tags["sweep.job"] = str(hydra.job.num)
-    elif SWEEP_JOB_ENV in os.environ:  # a sweep's DDP job, run as its own process tree
-        tags["sweep.id"], tags["sweep.job"] = os.environ[SWEEP_JOB_ENV].rsplit("/", 1)
+    if job := sweep_job():
+        tags["sweep.id"], tags["sweep.job"] = job[0].name, job[1]
     return tags
 
 
@@ -237,24 +224,20 @@ def user_tags(logger: DictConfig, reserved: Sequence[str]) -> dict[str, str]:
     return tags
 
 
-RUN_ID_FILE = "mlflow_run_id.txt"  # in the output folder: the run a job (re)opened
-
-
 def run_to_continue(saved: Mapping[str, Any] | None, cfg: DictConfig) -> str | None:
-    """The MLflow run a job continues: ``logger.run_id`` if set; for a resumed job, the one its
-    checkpoint was written by, if that run is in this job's store and ``logger.continue_run``
-    is true; else a new run."""
-    if cfg.logger.kind == "mlflow" and cfg.logger.get("offline"):
-        return None  # a placeholder's run does not exist on the server yet: a new one
-    if cfg.logger.kind == "mlflow" and cfg.logger.get("run_id"):
+    """``logger.run_id`` if set; for a resumed job, its checkpoint's run if it is in this
+    store and ``logger.continue_run``; else None (a new run)."""
+    if cfg.logger.kind != "mlflow" or cfg.logger.get("offline"):
+        return None  # an offline placeholder's run does not exist on the server yet
+    if cfg.logger.get("run_id"):
         return named_run(cfg)
-    if not saved or cfg.logger.kind != "mlflow" or not cfg.logger.get("continue_run", True):
+    source = (saved or {}).get("mlflow")
+    if not cfg.logger.get("continue_run", True) or not source:
         return None
-    source = saved.get("mlflow")
-    if not source or source["tracking_uri"] != without_password(cfg.logger.tracking_uri):
+    if source["tracking_uri"] != without_password(cfg.logger.tracking_uri):
         return None
     if not talks_to_store(cfg):
-        return source["run_id"]  # only rank 0 talks to the store
+        return source["run_id"]
     from mlflow import MlflowClient
 
     try:
@@ -267,12 +250,11 @@ def run_to_continue(saved: Mapping[str, Any] | None, cfg: DictConfig) -> str | N
 
 def named_run(cfg: DictConfig) -> str:
     """``logger.run_id``, checked (by rank 0) to be a run of this job's store."""
-    run_id = str(cfg.logger.run_id)
+    run_id, uri = str(cfg.logger.run_id), cfg.logger.tracking_uri
     if not talks_to_store(cfg):
         return run_id
     from mlflow import MlflowClient
 
-    uri = cfg.logger.tracking_uri
     not_a_run = f"logger.run_id={run_id} is not a run of {without_password(uri)}"
     if (database := sqlite_file(uri)) and not database.is_file():
         raise TrackingError(f"{not_a_run} (no such store). Leave it out to start a new run")
@@ -285,9 +267,8 @@ def named_run(cfg: DictConfig) -> str:
 
 
 def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> None:
-    """Record the run's parameters (for MLflow in full, never silently cut short) and, in the
-    output folder, which run this is: a job stopped before its first checkpoint is continued
-    with ``logger.run_id=`` (slurm/train.sbatch does so when it requeues one)."""
+    """The run's params (for MLflow in full) and, in the output folder, the run's id: a job
+    stopped before its first checkpoint continues with ``logger.run_id=`` (slurm/train.sbatch)."""
     params = run_params(cfg, trainer)
     for logger in loggers:
         if isinstance(logger, EpochMLFlowLogger) and logger.continued:
@@ -300,41 +281,19 @@ def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> No
             Path(cfg.paths.output_dir, RUN_ID_FILE).write_text(logger.run_id + "\n")
 
 
-def send_through_outbox(logger: EpochMLFlowLogger, folder: Path, tracking_uri: str) -> None:
-    """From now on the run's records go through a durable outbox (src/template/outbox.py), sent
-    by a background thread: the job never waits for the server. A SQLite store (a local file,
-    no outages) is written directly."""
-    if sqlite_file(tracking_uri):
-        return
-    outbox = Outbox(folder, without_password(tracking_uri))
-    logger.sender = Sender(outbox, logger.experiment)
-    logger.outbox = outbox
-    logger.sender.start()
-
-
-def go_offline(logger: EpochMLFlowLogger, cfg: DictConfig) -> None:
-    """``logger.offline``: the run itself is a record, under the logger's placeholder id, for
-    ``src.sync`` to create on the server later; nothing here contacts it."""
-    from mlflow.tracking.context.registry import resolve_tags
-
-    logger.offline, logger.continued = True, False
-    logger.outbox = Outbox(Path(cfg.paths.output_dir), without_password(cfg.logger.tracking_uri))
-    tags = resolve_tags({k: str(v) for k, v in (logger.tags or {}).items()})
-    logger.outbox.append(
-        encode("create_run", logger.run_id, experiment_name=cfg.logger.experiment_name,
-               run_name=cfg.logger.run_name, tags=tags)
-    )  # fmt: skip
-
-
 @contextmanager
 def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
-    """The job's MLflow records go through the outbox while the block runs (a server; see
-    :func:`send_through_outbox`); at its end, wait up to ``logger.send_timeout_s`` for them to
-    be sent; what is left is said in one line, with the command that sends it. A TensorBoard
-    events file is closed then."""
+    """Against a server, the run's records go through a durable outbox sent by a background
+    thread (the job never waits for the server); at the end, wait up to
+    ``logger.send_timeout_s`` and say in one line what is left. SQLite is written directly.
+    A TensorBoard events file is closed then."""
     logger = mlflow_logger(loggers)
-    if isinstance(logger, EpochMLFlowLogger) and logger.outbox is None:
-        send_through_outbox(logger, Path(cfg.paths.output_dir), cfg.logger.tracking_uri)
+    uri = cfg.logger.get("tracking_uri", "")
+    if isinstance(logger, EpochMLFlowLogger) and logger.outbox is None and not sqlite_file(uri):
+        outbox = Outbox(Path(cfg.paths.output_dir), without_password(uri))
+        logger.sender = Sender(outbox, logger.experiment)
+        logger.outbox = outbox
+        logger.sender.start()
     try:
         yield
     finally:
@@ -348,11 +307,8 @@ def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
 
 @rank_zero_only
 def reopen_run(logger: EpochMLFlowLogger, params: Mapping[str, Any]) -> None:
-    """A resumed job continues its run: RUNNING again, and what differs is recorded.
-
-    MLflow never changes a logged parameter, so values that differ from the first job's (the
-    output folder, ``ckpt_path``, anything overridden) are listed in a ``resume.<n>.`` tag.
-    """
+    """A resumed job's run is RUNNING again. MLflow never changes a logged param, so what
+    differs from the first job (params, tags) goes into ``resume.<n>.`` tags."""
     run = logger.experiment.get_run(logger.run_id)
     count = int(run.data.tags.get("resume.count", "0")) + 1
     old = run.data.params
@@ -361,7 +317,6 @@ def reopen_run(logger: EpochMLFlowLogger, params: Mapping[str, Any]) -> None:
     for key in run.data.metrics:  # now, while the server answers: see log_metrics
         history = logger.experiment.get_metric_history(logger.run_id, key)
         logger.last_step[key] = max((m.step for m in history), default=-1)
-    # The first job's tags stay; this job's differing ones (command, folder) go under resume.<n>.
     tags = {
         f"resume.{count}.{key}": value
         for key, value in logger.tags.items()
@@ -392,17 +347,11 @@ def log_mlflow_params(logger: MLFlowLogger, params: Mapping[str, Any]) -> None:
 
 @rank_zero_only
 def log_outcome(
-    loggers: list[Logger],
-    datamodule: Any,
-    output_dir: Path,
-    best_checkpoint: str,
+    loggers: list[Logger], datamodule: Any, output_dir: Path, best_checkpoint: str,
     figures: list[Path],
-) -> None:
-    """After training: the data read, the config, metrics, best checkpoint and test figures.
-
-    The checkpoint is logged as a file rather than an MLflow model: it loads with
-    ``weights_only=True`` and goes straight into ``src.eval`` / ``src.predict``.
-    """
+) -> None:  # fmt: skip
+    """After training: the data read, the config, metrics, best checkpoint (a file that loads
+    with ``weights_only=True`` into src.eval/src.predict) and test figures."""
     logger = mlflow_logger(loggers)
     if logger is None:
         return
@@ -419,11 +368,9 @@ def log_model(
     loggers: list[Logger], settings: DictConfig, task: Task, model: Any, datamodule: Any,
     output_dir: Path, step: int, metrics: Sequence[str],
 ) -> None:  # fmt: skip
-    """The trained model as the run's MLflow LoggedModel (what the task's ``export`` says it is),
-    at the step of the job's final ``metrics`` (MLflow links those to it), registered as
-    ``logger.registered_model_name`` if set. Saved in the output folder first (``model/``), then
-    logged like any record (see src/template/export.py). A model that cannot be exported costs a
-    warning, never the job's results."""
+    """The task's exported model, saved in ``model/`` and logged as the run's LoggedModel at the
+    step of its final ``metrics`` (registered if ``logger.registered_model_name``). A model that
+    cannot be exported costs a warning, never the job's results."""
     from src.template import export
 
     logger = mlflow_logger(loggers)
@@ -514,8 +461,7 @@ def callbacks(loggers: list[Logger], cfg: DictConfig) -> list[Callback]:
 
 
 class SkipCutEpoch(Callback):
-    """Tells the logger when Lightning ends an epoch that ``max_steps`` cut short (it runs the
-    epoch-end hooks and logs metrics over the batches trained so far)."""
+    """Tells the logger when ``max_steps`` cut an epoch short (Lightning still logs its end)."""
 
     def __init__(self, logger: EpochMLFlowLogger) -> None:
         self.logger = logger
@@ -534,7 +480,5 @@ class RecordRunInCheckpoint(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         if trainer.is_global_zero:
-            checkpoint["mlflow"] = {
-                "run_id": self.logger.run_id,
-                "tracking_uri": without_password(self.tracking_uri),
-            }
+            uri = without_password(self.tracking_uri)
+            checkpoint["mlflow"] = {"run_id": self.logger.run_id, "tracking_uri": uri}
