@@ -38,9 +38,9 @@ def evaluate(cfg: DictConfig, task: Task) -> dict[str, float]:
     model, datamodule, source = from_checkpoint(cfg, task)
     datamodule.prepare_data()
     datamodule.load({"test": "test", "val": "validate"}[cfg.split])  # bad data fails now
-    reporting.show_config(cfg)
     tags = tracking.source_tags(source, cfg.ckpt_path, cfg.logger.get("tracking_uri", ""))
     loggers = tracking.build_loggers(cfg, extra_tags=tags)
+    reporting.show_config(cfg)
     trainer = build_trainer(cfg, loggers, build_callbacks(cfg, monitor=None), fitting=False)
     run_loop = {"test": trainer.test, "val": trainer.validate}[cfg.split]
     with tracking.sending(loggers, cfg), run_lifecycle(trainer):

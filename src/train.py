@@ -39,9 +39,9 @@ def train(cfg: DictConfig, task: Task) -> float | None:
     resume = checkpoint.read_checkpoint(ckpt_path) if ckpt_path else None
     if resume:
         checkpoint.check_fits(resume, model, datamodule, ckpt_path)
-    reporting.show_config(cfg)
     continue_run = tracking.run_to_continue(resume, cfg, auto=cfg.ckpt_path == "auto")
     loggers = tracking.build_loggers(cfg, continue_run=continue_run)
+    reporting.show_config(cfg)
     callbacks = build_callbacks(cfg, monitor=(task.monitor, task.mode))
     callbacks += [SeedEachBatch(seed), *tracking.callbacks(loggers, cfg)]
     sync_bn = use_sync_batchnorm(cfg.strategy.sync_batchnorm, model, cfg.accelerator)

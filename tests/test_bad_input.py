@@ -2,6 +2,7 @@
 typed as a user types it (no ``hydra.run.dir``): no traceback, exit code 1, and nothing left
 behind: no output folder, no MLflow store or run, no checkpoint, no folder in ``data.root``."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -11,17 +12,23 @@ import torch
 from src.task.data.mnist import FILES
 from tests.conftest import N_TEST, N_TRAIN, run_entry, tiny_overrides
 from tests.idx_data import make_dataset
+from tests.image_data import make_image_folder
 
 pytestmark = pytest.mark.slow
 
 
 def fails_before_any_work(
-    workdir: Path, *overrides: str, data_root: Path, env: dict[str, str] | None = None
+    workdir: Path,
+    *overrides: str,
+    data_root: Path,
+    env: dict[str, str] | None = None,
+    base: list[str] | None = None,
 ) -> str:
-    """Run training with ``overrides``; return its stderr after checking nothing was started."""
+    """Run training with ``overrides`` (after ``base``, by default the tiny MNIST job's); return
+    its stderr after checking nothing was started."""
     proc = run_entry(
         "train",
-        *tiny_overrides(data_root),
+        *(tiny_overrides(data_root) if base is None else base),
         *overrides,
         cwd=workdir,
         check=False,
@@ -38,6 +45,7 @@ def fails_before_any_work(
     return " ".join(proc.stderr.split())  # unwrapped
 
 
+CORES = len(os.sched_getaffinity(0))
 DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
 
 
@@ -69,6 +77,11 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         (["devices=two"], f"devices=two {DEVICES_HELP}"),
         (["devices=[0,1]"], "devices=[0, 1] lists GPU indices but no GPU is used here"),
         (["num_nodes=0"], "num_nodes=0 is not valid: it is the number of machines"),
+        (
+            ["accelerator=cpu", "devices=1000"],
+            f"devices=1000 would start 1000 processes on this machine's {CORES} CPU core(s); "
+            f"use devices={CORES} (one process per core",
+        ),
         (["devices=-1"], "devices=-1 means every GPU, and no GPU is used here"),
         (["seed=abc"], "seed=abc is not valid: it must be a whole number >= 0"),
         (["data.batch_size=0"], "data.batch_size=0 is not valid: it must be a whole number >= 1"),
@@ -102,6 +115,7 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         (["ckpt_path=missing.ckpt"], "ckpt_path=missing.ckpt: no such file"),
         (["logger.run_id=abc123"], "logger.run_id=abc123 is not a run of sqlite:///"),
         (["logger.offline=true"], "logger.offline=true is for an MLflow server"),
+        (["+logger.tags.task=mine"], "logger.tags.task is a tag the template sets; use another"),
     ],
     ids=[
         "unknown-key",
@@ -117,6 +131,7 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         "devices-word",
         "gpu-indices-on-cpu",
         "num-nodes-0",
+        "more-processes-than-cores",
         "devices-all-gpus-on-cpu",
         "seed-word",
         "batch-size-0",
@@ -133,6 +148,7 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         "missing-ckpt",
         "unknown-run-id",
         "offline-sqlite",
+        "tag-the-template-sets",
     ],
 )
 def test_bad_setting(overrides: list[str], message: str, tiny_root: Path, tmp_path: Path) -> None:
@@ -188,6 +204,19 @@ def test_more_gpus_than_the_machine_has(tiny_root: Path, tmp_path: Path) -> None
         assert f"devices={gpus + 1} but this machine has {gpus} GPU(s)" in stderr
 
 
+def test_an_unreachable_tracking_server(tiny_root: Path, tmp_path: Path) -> None:
+    """Nothing but the one line: no config line before it, no urllib3 'Retrying' warning."""
+    proc = run_entry(
+        "train", *tiny_overrides(tiny_root), "logger.tracking_uri=http://127.0.0.1:9",
+        cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    (line,) = (proc.stdout + proc.stderr).strip().splitlines()
+    assert line.startswith("Error: MLflow server http://127.0.0.1:9 is not reachable ("), line
+    assert line.endswith("or log locally with logger.tracking_uri=sqlite:///mlflow.db")
+    assert list(tmp_path.iterdir()) == [], "nothing is left behind"
+
+
 def test_a_file_that_is_not_a_checkpoint(tiny_root: Path, tmp_path: Path) -> None:
     (tmp_path / "given").mkdir()
     (tmp_path / "given" / "notes.ckpt").write_text("my notes")
@@ -239,3 +268,37 @@ def test_an_unknown_split(entry: str, tiny_root: Path, tmp_path: Path) -> None:
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "split=validation is not valid; use split=test or split=val" in proc.stderr
     assert list(tmp_path.iterdir()) == [], "nothing is left behind"
+
+
+@pytest.fixture(scope="module")
+def small_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """100 training images (20 in each of 5 classes): fewer than the default data.val_size and
+    data.batch_size."""
+    return make_image_folder(tmp_path_factory.mktemp("small_images"), n_train=20, n_test=5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            [],
+            "data.val_size=1000 must be in (0, 100) for 100 training samples; use e.g. "
+            "data.val_size=10 data.batch_size=64",
+        ),
+        (
+            ["data.val_size=20"],
+            "data.batch_size=128 is larger than the 80 training samples left after "
+            "data.val_size=20; use e.g. data.batch_size=64",
+        ),
+    ],
+    ids=["val-size-default", "batch-size-default"],
+)
+def test_a_small_image_folder(
+    overrides: list[str], message: str, small_images: Path, tmp_path: Path
+) -> None:
+    """README "Make it yours" step 1 as typed, on a folder smaller than the defaults expect:
+    one line before the two ranks start (it was a traceback from each rank)."""
+    as_typed = ["data=image_folder", f"data.root={small_images}", "model=resnet"]
+    as_typed += ["strategy=ddp", "devices=2", "callbacks.progress_bar=none"]
+    stderr = fails_before_any_work(tmp_path, *overrides, data_root=small_images, base=as_typed)
+    assert message in stderr

@@ -180,10 +180,12 @@ def test_a_server_away_at_the_end_leaves_its_records_to_src_sync(server, job_fac
     assert job.proc.returncode == 0, job.stderr[-3000:]
     (line,) = [line for line in job.stderr.splitlines() if "python -m src.sync" in line]
     assert line.endswith(f"python -m src.sync {job.run_dir}"), line
+    assert "Retrying" not in job.stderr, "urllib3's warning per retried request is silenced"
     assert (job.run_dir / "metrics.json").exists() and job.last.exists()
 
     refused = sync(job.run_dir)  # still away: says so, keeps everything
     assert refused.returncode == 1 and "Run this again when it answers" in refused.stderr
+    assert "Retrying" not in refused.stderr
     with server() as url:
         done = sync(job.run_dir)
         assert done.returncode == 0, done.stderr

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 from mlflow import MlflowClient
+from omegaconf import OmegaConf
 
 from src.task import TASK
 from src.template.config import flatten
@@ -24,10 +25,12 @@ from src.template.tracking import (
     mask_override,
     mask_secrets,
     run_to_continue,
+    user_tags,
 )
 from tests.conftest import (
     PROJECT,
     mlflow_server,
+    only_run,
     read_metrics,
     run_entry,
     tiny_overrides,
@@ -123,6 +126,45 @@ def test_an_offline_logger_opens_no_connection(tmp_path: Path) -> None:
     logger.outbox.close()
     methods = [r["method"] for r in logger.outbox.records[1:]]
     assert methods == ["create_run", "log_batch", "set_terminated"]
+
+
+def test_run_tags_and_notes_land_on_the_run(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    typed = ["logger.tags={team: vision, data: v2}", "logger.notes='first try, on CPU'"]
+    (logger,) = build_loggers(
+        compose_config("train", [f"logger.tracking_uri={uri}", *typed], tmp_path)
+    )
+    tags = MlflowClient(uri).get_run(logger.run_id).data.tags  # run_id opens the run
+    assert tags["team"] == "vision" and tags["data"] == "v2"
+    assert tags["mlflow.note.content"] == "first try, on CPU", "the UI's run description"
+    assert tags["task"] == "train", "the template's own tags stay"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+logger.tags.task=mine", "logger.tags.task is a tag the template sets; use another name"),
+        ("logger.tags=team", "logger.tags=team is not a set of name: value pairs; use e.g."),
+    ],
+)
+def test_tags_that_cannot_be_set(override: str, message: str, tmp_path: Path) -> None:
+    cfg = compose_config("train", [override], tmp_path)
+    with pytest.raises(TrackingError, match=f"^{re.escape(message)}"):
+        build_loggers(cfg)
+    assert not (tmp_path / "mlflow.db").exists(), "refused before the store is opened"
+
+
+def test_the_description_is_set_by_logger_notes() -> None:
+    logger = OmegaConf.create({"tags": {"mlflow.note.content": "x"}, "notes": None})
+    with pytest.raises(TrackingError, match="is a tag the template sets; use logger.notes"):
+        user_tags(logger, reserved=["task"])
+
+
+@pytest.mark.parametrize("kind", ["none", "csv", "mlflow"])
+def test_tensorboard_beside_any_logger(kind: str, tmp_path: Path) -> None:
+    cfg = compose_config("train", [f"logger={kind}", "logger.tensorboard=true"], tmp_path)
+    (tensorboard,) = [x for x in build_loggers(cfg) if isinstance(x, TensorBoardLogger)]
+    assert Path(tensorboard.log_dir) == Path(cfg.paths.output_dir) / "tensorboard"
 
 
 class DataDependent(torch.nn.Module):
@@ -248,3 +290,24 @@ def test_a_reviewer_sees_named_runs_and_linked_models_in_the_mlflow_ui(
         model_page = page_text(f"{url}/#/experiments/{experiment}/models/{model.model_id}")
         assert "Datasets used mnist/test" in model_page, model_page[-2000:]
         assert "Model versions r v1" in model_page, model_page[-2000:]
+
+
+@pytest.mark.slow
+def test_tensorboard_beside_mlflow_on_two_ranks(tiny_root: Path, tmp_path: Path) -> None:
+    """logger.tensorboard=true on 2 DDP ranks: one events file (rank 0's), with the epoch and
+    test metrics, and the MLflow run as without it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    run_entry(
+        "train", *tiny_overrides(tiny_root), "trainer.max_epochs=1", "strategy=ddp", "devices=2",
+        "logger.tensorboard=true", "+logger.tags.team=vision", f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    (events,) = run_dir.rglob("events.out.tfevents.*")
+    assert events.parent == run_dir / "tensorboard"
+    scalars = EventAccumulator(str(events)).Reload().Tags()["scalars"]
+    assert {"train/loss", "val/acc", "test/acc"} <= set(scalars), scalars
+    client, run = only_run(tmp_path / "mlflow.db")
+    assert run.info.status == "FINISHED" and run.data.tags["team"] == "vision"
+    assert run.data.metrics["test/acc"] == pytest.approx(read_metrics(run_dir)["test/acc"])

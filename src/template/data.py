@@ -102,6 +102,12 @@ def per_device_batch_size(global_batch: int, world_size: int, training: bool = T
     return global_batch // world_size
 
 
+def fitting_batch(samples: int) -> int:
+    """A batch size to suggest for ``samples`` training samples: the largest power of two that
+    fits (it divides over any power-of-two number of devices)."""
+    return 1 << (max(samples, 1).bit_length() - 1)
+
+
 class TensorDataModule(LightningDataModule):
     """Train and validation carved from the official train split, test is the test split; the
     loaders give exact results for any number of devices. Subclasses implement :meth:`read`."""
@@ -169,6 +175,8 @@ class TensorDataModule(LightningDataModule):
             stage == "predict" and self.predict_split != "test"
         ):
             self._load_train()
+        if stage in (None, "fit"):
+            self._check_batch_fits()
         if stage in (None, "test") or (stage == "predict" and self.predict_split == "test"):
             self._load_test()
 
@@ -183,14 +191,29 @@ class TensorDataModule(LightningDataModule):
         inputs, targets = self._checked("train")
         n, val_size = len(targets), self.hparams.val_size
         if not 0 < val_size < n:
+            val = max(1, n // 10)  # suggested, with a batch size that fits what it leaves
+            fix = f"; use e.g. data.val_size={val}" if n > 1 else ""
+            if n > 1 and self.hparams.batch_size > n - val:
+                fix += f" data.batch_size={fitting_batch(n - val)}"
             raise DataError(
-                f"data.val_size={val_size} must be in (0, {n}) for {n} training samples"
+                f"data.val_size={val_size} must be in (0, {n}) for {n} training samples{fix}"
             )
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.split_seed))
         val_idx, train_idx = perm[:val_size], perm[val_size:]
         transform = self.transform()
         self.val_set = TensorSplit(inputs[val_idx], targets[val_idx], val_idx, transform)
         self.train_set = TensorSplit(inputs[train_idx], targets[train_idx], train_idx, transform)
+
+    def _check_batch_fits(self) -> None:
+        """Training drops an incomplete last global batch: a training split smaller than one
+        batch would train on nothing (refused here, before any rank or run starts)."""
+        left, batch = len(self.train_set), self.hparams.batch_size
+        if batch > left:
+            raise DataError(
+                f"data.batch_size={batch} is larger than the {left} training samples left "
+                f"after data.val_size={self.hparams.val_size}; use e.g. "
+                f"data.batch_size={fitting_batch(left)}"
+            )
 
     def _load_test(self) -> None:
         if self.test_set is None:

@@ -137,8 +137,9 @@ class WatchedLauncher(SubprocessScriptLauncher):
 
 
 def check_devices(accelerator: str, devices: Any, num_nodes: Any) -> None:
-    """Device and node counts Lightning cannot take, or more GPUs than this machine has, fail
-    now in this project's words (Lightning's own errors name its internals)."""
+    """Device and node counts Lightning cannot take, more GPUs than this machine has, or more
+    CPU processes than its cores can run, fail now in this project's words (Lightning's own
+    errors name its internals)."""
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise ConfigError(
             f"num_nodes={num_nodes} is not valid: it is the number of machines taking part; "
@@ -180,6 +181,30 @@ def check_devices(accelerator: str, devices: Any, num_nodes: Any) -> None:
             f"devices={devices} but this machine has {available} GPU(s); use devices={available} "
             "(and num_nodes=... for more machines) or accelerator=cpu"
         )
+    cores = cpu_cores()
+    if (
+        not uses_gpu(accelerator)
+        and isinstance(devices, int)
+        and devices > CPU_RANKS_PER_CORE * cores
+    ):
+        raise ConfigError(
+            f"devices={devices} would start {devices} processes on this machine's {cores} CPU "
+            f"core(s); use devices={cores} (one process per core; num_nodes=... for more machines)"
+        )
+
+
+# CPU ranks per core a job may start: beyond one they only share cores (the tests do it on
+# purpose, to check results do not depend on the world size), beyond this it is a mistake.
+CPU_RANKS_PER_CORE = 2
+
+
+def cpu_cores() -> int:
+    """The CPU cores this node's ranks can use: this process's CPU affinity (what a container,
+    ``taskset`` or a SLURM allocation grants), or the machine's cores where each rank was started
+    by torchrun or srun (an srun task may be bound to its own few cores)."""
+    if external_rank() is not None or not hasattr(os, "sched_getaffinity"):
+        return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0))
 
 
 def use_sync_batchnorm(wanted: bool, model: nn.Module, accelerator: str) -> bool:

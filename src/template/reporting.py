@@ -136,14 +136,27 @@ def quiet_library_notices() -> None:
     other warning and message still shows."""
     for message, category in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message, category)
-    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, NoticeFilter) for f in rank_zero.filters):
-        rank_zero.addFilter(NoticeFilter())
+    for name, notices in QUIET_LOGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, NoticeFilter) for f in logger.filters):
+            logger.addFilter(NoticeFilter(notices))
+
+
+# urllib3 warns at each retry of an MLflow request: the job says itself, in one line, that a
+# server is unreachable (store.py) or what an outage left unsent (outbox.py).
+QUIET_LOGS = {
+    "lightning.pytorch.utilities.rank_zero": QUIET_INFO,
+    "urllib3.connectionpool": ("Retrying (",),
+}
 
 
 class NoticeFilter(logging.Filter):
+    def __init__(self, notices: tuple[str, ...]) -> None:
+        super().__init__()
+        self.notices = notices
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(QUIET_INFO)
+        return not str(record.msg).startswith(self.notices)
 
 
 @rank_zero_only

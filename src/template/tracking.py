@@ -15,7 +15,7 @@ import lightning.pytorch as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
@@ -85,13 +85,34 @@ class EpochMLFlowLogger(MLFlowLogger):
             self.last_step.update(dict.fromkeys(metrics, step if step is not None else -1))
 
 
+class OneFileTensorBoardLogger(TensorBoardLogger):
+    """Lightning's TensorBoard logger (rank 0 writes), one events file per job: Lightning closes
+    the writer at the end of fitting and testing then opens a second file; this flushes instead,
+    and :func:`sending` closes it at the job's end."""
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if self._experiment is not None:
+            self._experiment.flush()
+        self.save()
+
+    def close(self) -> None:
+        if self._experiment is not None:
+            self._experiment.close()
+
+
 def build_loggers(
     cfg: DictConfig, extra_tags: Mapping[str, str] | None = None, continue_run: str | None = None
 ) -> list[Logger]:
-    """``logger=mlflow|csv|none`` (MLflow continues ``continue_run``), plus ``logger.extra``:
-    any Lightning logger by ``_target_``."""
+    """``logger=mlflow|csv|none`` (MLflow continues ``continue_run``), plus ``logger.tensorboard``
+    and ``logger.extra``: any Lightning logger by ``_target_``."""
     with as_config_error("logger.extra"):
         extra = [instantiate(spec) for spec in cfg.logger.get("extra", {}).values()]
+    if cfg.logger.get("tensorboard"):  # events in <output folder>/tensorboard/
+        tensorboard = OneFileTensorBoardLogger(
+            cfg.paths.output_dir, name="tensorboard", version="", default_hp_metric=False
+        )
+        extra.insert(0, tensorboard)
     kind = cfg.logger.kind
     if kind == "none":
         return extra
@@ -107,6 +128,8 @@ def build_loggers(
             "logger.offline=true is for an MLflow server (logger.tracking_uri=http://...); "
             "a SQLite store is written directly"
         )
+    tags = {**run_tags(cfg), **(extra_tags or {})}
+    tags = {**user_tags(cfg.logger, reserved=list(tags)), **tags}
     if not offline:
         prepare_store(uri, cfg.logger.experiment_name)
     logger = EpochMLFlowLogger(
@@ -114,7 +137,7 @@ def build_loggers(
         run_name=cfg.logger.run_name,
         tracking_uri=uri,
         artifact_location=artifact_location(uri),
-        tags={**run_tags(cfg), **(extra_tags or {})},
+        tags=tags,
         run_id=f"offline-{uuid.uuid4().hex}" if offline else continue_run,
     )
     if offline:  # the run is a record for src.sync to create later; nothing contacts the server
@@ -176,6 +199,28 @@ def run_tags(cfg: DictConfig) -> dict[str, str]:
     }
     if job := sweep_job():
         tags["sweep.id"], tags["sweep.job"] = job[0].name, job[1]
+    return tags
+
+
+NOTE_TAG = "mlflow.note.content"  # what the MLflow UI shows and edits as a run's description
+
+
+def user_tags(logger: DictConfig, reserved: Sequence[str]) -> dict[str, str]:
+    """``logger.tags`` (name -> value) and ``logger.notes`` as run tags; the names the template
+    sets (``reserved``: where the run came from) are refused."""
+    given = logger.get("tags") or {}
+    if not isinstance(given, Mapping):
+        raise TrackingError(
+            f"logger.tags={given} is not a set of name: value pairs; use e.g. "
+            "'logger.tags={team: vision}' or +logger.tags.team=vision"
+        )
+    tags = {str(k): str(v) for k, v in given.items()}
+    for key in tags:
+        if key in reserved or key == NOTE_TAG:
+            use = "logger.notes" if key == NOTE_TAG else "another name"
+            raise TrackingError(f"logger.tags.{key} is a tag the template sets; use {use}")
+    if logger.get("notes"):
+        tags[NOTE_TAG] = str(logger.notes)
     return tags
 
 
@@ -247,7 +292,8 @@ def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> No
 def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
     """Against a server, the run's records go through a durable outbox sent by a background
     thread (the job never waits for the server); at the end, wait up to
-    ``logger.send_timeout_s`` and say in one line what is left. SQLite is written directly."""
+    ``logger.send_timeout_s`` and say in one line what is left. SQLite is written directly.
+    A TensorBoard events file is closed then."""
     logger = mlflow_logger(loggers)
     uri = cfg.logger.get("tracking_uri", "")
     if isinstance(logger, EpochMLFlowLogger) and logger.outbox is None and not sqlite_file(uri):
@@ -258,6 +304,9 @@ def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
     try:
         yield
     finally:
+        for tensorboard in loggers:
+            if isinstance(tensorboard, OneFileTensorBoardLogger):
+                tensorboard.close()
         if getattr(logger, "outbox", None) is not None:
             timeout_s = cfg.logger.get("send_timeout_s", 0)
             finish(logger.outbox, logger.sender, timeout_s, logger.run_id, logger.offline)
