@@ -9,7 +9,7 @@ import lightning.pytorch as L
 from omegaconf import DictConfig, OmegaConf
 
 from src.task import TASK
-from src.template import checkpoint, entry, reporting, tracking
+from src.template import checkpoint, entry, reporting, sweep_run, tracking
 from src.template.config import as_config_error, check_keys, check_sections
 from src.template.distributed import srun_starts_ranks, use_sync_batchnorm
 from src.template.resume import SeedEachBatch
@@ -61,6 +61,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         tracking.log_model(
             loggers, cfg.logger, task, model, datamodule, out, trainer.current_epoch, list(tested)
         )
+    sweep_run.summarize(cfg, task.mode)  # a sweep job: the sweep's parent run, updated
     return metrics.get(cfg.optimized_metric)
 
 

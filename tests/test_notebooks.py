@@ -47,7 +47,9 @@ def test_mlflow_review_notebook(
         cwd=tmp_path,
     )
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+    runs = client.search_runs(
+        [client.get_experiment_by_name("mnist").experiment_id], "tags.task = 'train'"
+    )
     assert len({run.data.tags["sweep.id"] for run in runs}) == 1, "one sweep, one shared tag"
     assert sorted(run.data.tags["sweep.job"] for run in runs) == ["0", "1"]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -201,8 +201,10 @@ def test_usr1_requeues_and_the_job_resumes_into_the_same_run(
 
 
 def mlflow_runs(store: Path) -> list:
+    """The jobs' runs, not their sweep's parent run (checked by the sweep tests)."""
     client = MlflowClient(f"sqlite:///{store}")
-    return client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+    return [run for run in runs if "sweep.parent" not in run.data.tags]
 
 
 @pytest.mark.slow
@@ -217,6 +219,8 @@ def test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks(
     )  # fmt: skip
     assert "Traceback" not in proc.stderr
     runs = mlflow_runs(tmp_path / "mlflow.db")
+    parents = {r.data.tags["mlflow.parentRunId"] for r in runs}
+    assert len(parents) == 1, "the SLURM jobs nest under one parent run"
     assert sorted((r.data.params["model.lr"], r.data.tags["sweep.job"]) for r in runs) == [
         ("0.01", "0"),
         ("0.02", "1"),

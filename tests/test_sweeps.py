@@ -3,6 +3,9 @@
 Typed as a user types them: the sweep folder is Hydra's default, ``outputs/train/multiruns/<time>``
 (only the failure test places it, to plant the fault)."""
 
+import csv
+import json
+import statistics
 from pathlib import Path
 
 import optuna
@@ -31,7 +34,7 @@ def sweep_folders(workdir: Path) -> list[Path]:
 def runs_by_job(store: Path) -> dict[int, object]:
     client = MlflowClient(f"sqlite:///{store}")
     runs = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
-    return {int(run.data.tags["sweep.job"]): run for run in runs}
+    return {int(run.data.tags["sweep.job"]): run for run in runs if "sweep.job" in run.data.tags}
 
 
 def rank_lines(job_dir: Path) -> list[str]:
@@ -54,7 +57,9 @@ def test_ddp_sweep_runs_every_job_once_with_its_own_world(tiny_root: Path, tmp_p
         cwd=tmp_path,
     )  # fmt: skip
     (sweep,) = sweep_folders(tmp_path)
-    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "2", "3", "multirun.yaml"]
+    assert sorted(p.name for p in sweep.iterdir()) == [
+        "0", "1", "2", "3", "jobs.csv", "mlflow_parent_run.json", "multirun.yaml"
+    ]  # fmt: skip
     assert [p.name for p in (tmp_path / "outputs" / "train").iterdir()] == ["multiruns"], (
         "no rank ran a job or sweep of its own elsewhere"
     )
@@ -116,3 +121,43 @@ def test_optuna_search_trains_each_trial_on_every_rank(tiny_root: Path, tmp_path
     assert result.best_value == pytest.approx(best)
     study = optuna.load_study(study_name="convnet-mnist", storage=storage)
     assert len(study.trials) == 3 and study.best_value == pytest.approx(best)
+
+
+def test_a_seed_sweep_nests_its_runs_under_a_parent_that_sums_them_up(
+    tiny_root: Path, tmp_path: Path
+) -> None:
+    """The sweep's parent run: children nested, a table of every job, the best job, and for jobs
+    that differ only in seed, the mean, standard deviation and 95% interval of each metric."""
+    run_entry("train", "-m", *sweep_overrides(tiny_root), "seed=1,2,3", cwd=tmp_path)
+    (sweep,) = sweep_folders(tmp_path)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+    (parent,) = [run for run in runs if run.data.tags.get("sweep.parent") == sweep.name]
+    children = runs_by_job(tmp_path / "mlflow.db")
+    assert sorted(children) == [0, 1, 2] and len(runs) == 4
+    assert {run.data.tags["mlflow.parentRunId"] for run in children.values()} == {
+        parent.info.run_id
+    }
+    assert parent.info.status == "FINISHED" and "-m" in parent.data.tags["command"]
+    assert parent.info.run_name == f"train mnist sweep {sweep.name}"
+    metrics = [json.loads((sweep / str(job) / "metrics.json").read_text()) for job in range(3)]
+    best = max(range(3), key=lambda job: metrics[job]["val/acc_best"])  # the first of ties
+    assert parent.data.tags["best.job"] == str(best)
+    assert parent.data.tags["best.run_id"] == children[best].info.run_id
+    for key in ("test/acc", "val/acc_best", "test/loss"):
+        values = [m[key] for m in metrics]
+        centre, sd = statistics.mean(values), statistics.stdev(values)
+        half = 4.302652729911275 * sd / 3**0.5  # Student's t, 2 degrees of freedom, 97.5%
+        got = parent.data.metrics
+        assert got[f"{key}_mean"] == pytest.approx(centre) and got[f"{key}_std"] == pytest.approx(
+            sd
+        )
+        assert got[f"{key}_ci95_low"] == pytest.approx(centre - half)
+        assert got[f"{key}_ci95_high"] == pytest.approx(centre + half)
+    table = client.download_artifacts(parent.info.run_id, "jobs.csv", str(tmp_path))
+    with open(table) as file:
+        rows = list(csv.DictReader(file))
+    assert [(r["job"], r["overrides"], r["status"]) for r in rows] == [
+        (str(job), f"seed={job + 1}", "finished") for job in range(3)
+    ]
+    assert [float(r["test/acc"]) for r in rows] == [m["test/acc"] for m in metrics]

@@ -285,8 +285,10 @@ def test_a_reviewer_sees_named_runs_and_linked_models_in_the_mlflow_ui(
     with mlflow_server(argv, port, tmp_path) as url:
         experiment_page = f"{url}/#/experiments/{experiment}?workflowType=machine_learning"
         runs = page_text(experiment_page)
-        assert "train mnist lr=0.01" in runs and "train mnist lr=0.02" in runs, runs[:2000]
         assert " Runs Views " in runs, "the experiment opens on its training runs"
+        assert "train mnist sweep " in runs, "one row: the sweep's parent, its jobs nested under it"
+        models = page_text(f"{url}/#/experiments/{experiment}/models?workflowType=machine_learning")
+        assert "train mnist lr=0.01" in models and "train mnist lr=0.02" in models, models[:2000]
         model_page = page_text(f"{url}/#/experiments/{experiment}/models/{model.model_id}")
         assert "Datasets used mnist/test" in model_page, model_page[-2000:]
         assert "Model versions r v1" in model_page, model_page[-2000:]

@@ -16,6 +16,7 @@ from src.template.environment import environment
 
 SQLITE_PREFIX = "sqlite:///"
 MASK = "***"
+SECRET_KEY = re.compile(r"password|token|secret|key", re.IGNORECASE)  # values logged as ***
 EXPERIMENT_KIND, TRAINING = "mlflow.experimentKind", "custom_model_development"  # MLflow 3 UI
 EXPERIMENT_TAGS = {EXPERIMENT_KIND: TRAINING}
 # For a caller that must know within seconds whether the server answers (the job's start-up
@@ -105,6 +106,12 @@ def ensure_experiment(client: Any, name: str, tracking_uri: str) -> None:
                 raise
     elif EXPERIMENT_KIND not in experiment.tags:
         client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND, TRAINING)
+
+
+def mask_override(override: str) -> str:
+    """``db.password=x`` → ``db.password=***``; other overrides keep their value, URLs masked."""
+    key, sep, value = override.partition("=")
+    return f"{key}{sep}{MASK}" if sep and SECRET_KEY.search(key) else mask_text(override)
 
 
 def mask_text(text: str) -> str:

@@ -10,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -42,21 +43,34 @@ def sweep_job() -> tuple[Path, str] | None:
 
 
 def swept_overrides() -> list[str]:
-    """What this sweep job's config differs by from its sweep's command (e.g. ``lr=0.003``): its
-    overrides whose key the command did not fix (the sweeper saves the command's overrides in
-    ``multirun.yaml``), each by its last key."""
+    """What this sweep job's config differs by from its sweep's command, e.g. ``lr=0.003``."""
     job = sweep_job()
     if job is None or not HydraConfig.initialized():
         return []
+    command = OmegaConf.load(job[0] / "multirun.yaml").hydra.overrides.task
+    return varied_overrides(HydraConfig.get().overrides.task, command)
+
+
+def varied_overrides(job: Sequence[str], command: Sequence[str]) -> list[str]:
+    """A job's overrides whose key its sweep's command did not fix (the sweeper saves the
+    command's overrides in ``multirun.yaml``), each by its last key: ``lr=0.003``."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parse = OverridesParser.create().parse_overrides
-    command = parse(list(OmegaConf.load(job[0] / "multirun.yaml").hydra.overrides.task))
-    swept = {o.get_key_element() for o in command if o.is_sweep_override()}
-    fixed = {o.get_key_element() for o in command} - swept
-    varied = [o.partition("=") for o in HydraConfig.get().overrides.task]
-    varied = [(key, sep, value) for key, sep, value in varied if key not in fixed]
-    return [f"{key.lstrip('+~').rsplit('.', 1)[-1]}{sep}{value}" for key, sep, value in varied]
+    parsed = OverridesParser.create().parse_overrides(list(command))
+    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    fixed = {o.get_key_element() for o in parsed} - swept
+    varied = [o.partition("=") for o in job]
+    return [
+        f"{key.lstrip('+~').rsplit('.', 1)[-1]}{sep}{value}"
+        for key, sep, value in varied
+        if key not in fixed
+    ]
+
+
+def sweep_command(folder: Path, entry_point: str) -> list[str]:
+    """The command that started the sweep in ``folder``, as its ``multirun.yaml`` says."""
+    overrides = OmegaConf.load(folder / "multirun.yaml").hydra.overrides.task
+    return ["python", "-m", entry_point, "-m", *overrides]
 
 
 def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:

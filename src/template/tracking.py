@@ -2,7 +2,6 @@
 metrics, datasets, artifacts and the model. The store itself: store.py; the outbox: outbox.py."""
 
 import json
-import re
 import socket
 import sys
 import uuid
@@ -19,14 +18,17 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoa
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
+from src.template import sweep_run
 from src.template.config import as_config_error, flatten
 from src.template.distributed import requested_processes
 from src.template.outbox import Outbox, OutboxClient, Sender, encode, finish
 from src.template.resume import epoch_finished
 from src.template.store import (
     MASK,
+    SECRET_KEY,
     TrackingError,
     artifact_location,
+    mask_override,
     mask_text,
     prepare_store,
     sqlite_file,
@@ -37,7 +39,6 @@ from src.template.sweeps import sweep_job
 from src.template.system_metrics import SystemMetrics
 from src.template.task import Task
 
-SECRET_KEY = re.compile(r"password|token|secret|key", re.IGNORECASE)
 PARAM_LIMIT = 6000  # MLflow's maximum length of a param value
 RUN_ID_FILE = "mlflow_run_id.txt"  # in the output folder: the run a job (re)opened
 
@@ -132,6 +133,7 @@ def build_loggers(
     tags = {**user_tags(cfg.logger, reserved=list(tags)), **tags}
     if not offline:
         prepare_store(uri, cfg.logger.experiment_name)
+        tags.update(sweep_parent(cfg))
     logger = EpochMLFlowLogger(
         experiment_name=cfg.logger.experiment_name,
         run_name=cfg.logger.run_name,
@@ -154,6 +156,12 @@ def build_loggers(
     return [logger, *extra]
 
 
+def sweep_parent(cfg: DictConfig) -> dict[str, str]:
+    """A sweep job's run nests under its sweep's parent run (see sweep_run.py)."""
+    parent = sweep_run.parent_run(cfg)
+    return {"mlflow.parentRunId": parent} if parent else {}
+
+
 def mlflow_logger(loggers: list[Logger]) -> MLFlowLogger | None:
     return next((logger for logger in loggers if isinstance(logger, MLFlowLogger)), None)
 
@@ -164,11 +172,6 @@ def mask_secrets(values: Mapping[str, Any]) -> dict[str, Any]:
         key: MASK if SECRET_KEY.search(key) else mask_text(v) if isinstance(v, str) else v
         for key, v in values.items()
     }
-
-
-def mask_override(override: str) -> str:
-    key, sep, value = override.partition("=")
-    return f"{key}{sep}{MASK}" if sep and SECRET_KEY.search(key) else mask_text(override)
 
 
 def run_params(cfg: DictConfig, trainer: L.Trainer) -> dict[str, Any]:
