@@ -9,7 +9,7 @@ import lightning.pytorch as L
 from omegaconf import DictConfig, OmegaConf
 
 from src.task import TASK
-from src.template import checkpoint, entry, reporting, sweep_run, tracking
+from src.template import checkpoint, entry, reporting, sweep_run, sweeps, tracking
 from src.template.config import as_config_error, check_keys, check_sections
 from src.template.distributed import srun_starts_ranks, use_sync_batchnorm
 from src.template.resume import SeedEachBatch
@@ -25,6 +25,11 @@ def train(cfg: DictConfig, task: Task) -> float | None:
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     check_keys("data", cfg.data, data_class)
     check_sections(cfg, task.config_targets(model_cfg))
+    out = Path(cfg.paths.output_dir)
+    earlier = sweeps.earlier_run(out)  # the same sweep run again in its folder
+    if earlier and "result" in earlier:
+        print(f"{out}: this sweep job finished in an earlier run; its result is read back")
+        return earlier["result"]
     if in_multirun() and world_size > 1 and not srun_starts_ranks(world_size):
         return run_sweep_job_in_own_process(cfg.optimized_metric)  # see src/template/sweeps.py
     seed = L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -34,12 +39,13 @@ def train(cfg: DictConfig, task: Task) -> float | None:
     datamodule.load()  # train, validation and test splits
     with as_config_error("model"):
         model = task.build_model(model_cfg, datamodule)
-    out = Path(cfg.paths.output_dir)
-    ckpt_path = checkpoint.resume_path(cfg.ckpt_path, out)  # ckpt_path=auto: last.ckpt, if any
+    # ckpt_path=auto: last.ckpt, if any; a sweep job run again resumes so by default.
+    requested = cfg.ckpt_path or ("auto" if earlier is not None else None)
+    ckpt_path = checkpoint.resume_path(requested, out)
     resume = checkpoint.read_checkpoint(ckpt_path) if ckpt_path else None
     if resume:
         checkpoint.check_fits(resume, model, datamodule, ckpt_path)
-    continue_run = tracking.run_to_continue(resume, cfg, auto=cfg.ckpt_path == "auto")
+    continue_run = tracking.run_to_continue(resume, cfg, auto=requested == "auto")
     loggers = tracking.build_loggers(cfg, continue_run=continue_run)
     reporting.show_config(cfg)
     callbacks = build_callbacks(cfg, monitor=(task.monitor, task.mode))
@@ -61,6 +67,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         tracking.log_model(
             loggers, cfg.logger, task, model, datamodule, out, trainer.current_epoch, list(tested)
         )
+    sweeps.record_result(out, metrics.get(cfg.optimized_metric))
     sweep_run.summarize(cfg, task.mode)  # a sweep job: the sweep's parent run, updated
     return metrics.get(cfg.optimized_metric)
 

@@ -5,6 +5,7 @@ Typed as a user types them: the sweep folder is Hydra's default, ``outputs/train
 
 import csv
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -15,7 +16,9 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 from src.template.distributed import hparams_digest
-from tests.conftest import run_entry, tiny_overrides
+from tests.conftest import PROJECT, read_metrics, run_entry, tiny_overrides
+from tests.test_resume import SIGNAL_AT_STEP
+from tests.test_train import assert_same_tensors
 
 pytestmark = pytest.mark.slow
 
@@ -161,3 +164,54 @@ def test_a_seed_sweep_nests_its_runs_under_a_parent_that_sums_them_up(
         (str(job), f"seed={job + 1}", "finished") for job in range(3)
     ]
     assert [float(r["test/acc"]) for r in rows] == [m["test/acc"] for m in metrics]
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_run_again_skips_finished_jobs_and_resumes_the_rest(
+    tiny_root: Path, tmp_path: Path
+) -> None:
+    """The same -m command, run again in the same sweep folder after a SIGKILL (no signal, no
+    clean-up), ends as the uninterrupted sweep; run once more, it trains nothing."""
+    args = [*sweep_overrides(tiny_root), "trainer.max_epochs=3", "seed=1,2",
+            "callbacks.checkpoint.every_n_train_steps=4"]  # fmt: skip
+    run_entry("train", "-m", *args, "hydra.sweep.dir=reference", cwd=tmp_path)
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)]),
+        "SIGNAL_AT_STEP": "17:SIGKILL",
+    }  # job 0, mid-epoch, after its step-16 checkpoint
+    killed = run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path, check=False,
+                       env=env)  # fmt: skip
+    assert killed.returncode == -9 and not (tmp_path / "sweep" / "1").exists()
+    again = run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert "finished in an earlier run" not in again.stdout
+    for job in ("0", "1"):
+        expected = torch.load(
+            tmp_path / "reference" / job / "checkpoints/last.ckpt", weights_only=True
+        )
+        resumed = torch.load(tmp_path / "sweep" / job / "checkpoints/last.ckpt", weights_only=True)
+        assert_same_tensors(resumed["state_dict"], expected["state_dict"], f"job {job}")
+        reference = read_metrics(tmp_path / "reference" / job)
+        for key, value in read_metrics(tmp_path / "sweep" / job).items():
+            assert value == pytest.approx(reference[key], rel=1e-5, abs=1e-6), (job, key)
+    once_more = run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert once_more.stdout.count("finished in an earlier run") == 2
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs(
+        [client.get_experiment_by_name("mnist").experiment_id], "tags.task = 'train'"
+    )
+    assert len(runs) == 2 + 2, "the reference's two runs and the sweep's two, continued"
+    assert all(run.info.status == "FINISHED" for run in runs)
+
+
+def test_a_sweep_folder_of_another_sweep_is_refused_in_one_line(
+    tiny_root: Path, tmp_path: Path
+) -> None:
+    run_entry(
+        "train", "-m", *sweep_overrides(tiny_root), "seed=1", "hydra.sweep.dir=s", cwd=tmp_path
+    )
+    other = run_entry("train", "-m", *sweep_overrides(tiny_root), "seed=5", "hydra.sweep.dir=s",
+                      cwd=tmp_path, check=False)  # fmt: skip
+    assert other.returncode != 0
+    (line,) = other.stderr.strip().splitlines()
+    assert "holds another sweep" in line and "seed=1" in line, line
+    assert json.loads((tmp_path / "s" / "0" / "sweep_job.json").read_text())["result"] is not None

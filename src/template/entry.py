@@ -16,12 +16,15 @@ from src.template.distributed import job_scope
 from src.template.reporting import quiet_library_notices, short_errors
 from src.template.shutdown import RankFailed
 from src.template.store import TrackingError
-from src.template.sweeps import SweepJobFailed
+from src.template.sweeps import SweepFolderTaken, SweepJobFailed
 from src.template.task import Task
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 # Errors that mean bad input or a failed rank: shown as one line, no traceback.
-EXPECTED = (DataError, CheckpointError, TrackingError, ConfigError, RankFailed, SweepJobFailed)
+EXPECTED = (
+    DataError, CheckpointError, TrackingError, ConfigError, RankFailed, SweepJobFailed,
+    SweepFolderTaken,
+)  # fmt: skip
 
 
 def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -> None:

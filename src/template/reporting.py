@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from src.template.sweeps import in_multirun
+from src.template.sweeps import SweepFolderTaken, check_same_sweep, in_multirun
 from src.template.task import Task
 
 console = Console()
@@ -70,6 +70,11 @@ class CheckOutputFolder(HydraCallback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         check_writable(Path(config.hydra.sweep.dir))
+        try:  # Hydra turns an exception raised here into a warning
+            check_same_sweep(Path(config.hydra.sweep.dir), config.hydra.overrides.task)
+        except SweepFolderTaken as error:
+            show_error(str(error))
+            raise SystemExit(1) from None
 
 
 def remove_attempt_record() -> None:

@@ -12,9 +12,11 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,56 @@ class SweepJobFailed(RuntimeError):
 
 
 SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep folder>/<job number>" for a sweep's DDP job
+
+
+JOB_FILE = "sweep_job.json"  # in a sweep job's folder: its overrides, and its result once done
+
+
+class SweepFolderTaken(RuntimeError):
+    """A sweep job's folder holds another job's output (another sweep run in that folder)."""
+
+
+def earlier_run(output_dir: Path) -> dict[str, Any] | None:
+    """What an earlier run of this sweep job left in its folder (``{"overrides"}``, and
+    ``"result"`` once it finished), when the same sweep runs again in its folder; None for a
+    first run (recorded now) or outside a sweep. A folder of another job is refused."""
+    job = sweep_job()
+    if job is None:
+        return None
+    overrides, path = list(HydraConfig.get().overrides.task), output_dir / JOB_FILE
+    if not path.is_file():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"overrides": overrides}))
+        return None
+    earlier = json.loads(path.read_text())
+    if earlier["overrides"] != overrides:
+        raise SweepFolderTaken(
+            f"{output_dir} holds sweep job {job[1]} of another sweep "
+            f"({' '.join(earlier['overrides'])}); run this one in a new folder (leave out "
+            "hydra.sweep.dir) or run that sweep's command again"
+        )
+    return earlier
+
+
+def check_same_sweep(folder: Path, overrides: Sequence[str]) -> None:
+    """A sweep folder is run again only by its own sweep's command (its overrides, as Hydra
+    saved them in ``multirun.yaml``), so each job folder holds that job's earlier run."""
+    saved = folder / "multirun.yaml"
+    if saved.is_file():
+        earlier = list(OmegaConf.load(saved).hydra.overrides.task)
+        if earlier != list(overrides):
+            raise SweepFolderTaken(
+                f"{folder} holds another sweep ({' '.join(earlier) or 'no overrides'}); run this "
+                "one in a new folder (leave out hydra.sweep.dir) or that sweep's command again"
+            )
+
+
+@rank_zero_only
+def record_result(output_dir: Path, result: float | None) -> None:
+    """A sweep job finished: run again in its folder, it is not trained again."""
+    path = output_dir / JOB_FILE
+    if sweep_job() is not None and path.is_file():
+        path.write_text(json.dumps({**json.loads(path.read_text()), "result": result}))
 
 
 def sweep_job() -> tuple[Path, str] | None:
