@@ -3,8 +3,9 @@
 Any dataset of the data contract (IDX files, image folders) is read as the training job reads it
 and written with LitData's ``optimize()`` into ``DIR/train`` and ``DIR/test``: one sample per
 image, ``{"index": position in the official split, "label": int, "image": PNG or JPEG bytes}``,
-in index order, on every core, with LitData's progress bar. ``DIR/manifest.json`` says what the
-shards hold: dataset, classes, image shape, mean/std, counts and a content digest per split.
+in index order, on every core, with LitData's progress bar. ``DIR/manifest.json`` says what
+the shards hold: dataset, classes, image shape, mean/std, counts and a content digest per split;
+``DIR/<split>_labels.npy`` their labels.
 
 Rerunning an interrupted conversion continues it (LitData's checkpoints); a finished split is
 kept. A folder that holds shards of other data is refused.
@@ -137,6 +138,7 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
             print(f"{out / name}: already converted")
             continue
         write_split(split, out / name, cfg, workers)
+        np.save(out / f"{name}_labels.npy", split.targets.numpy())  # for figures, no decoding
         check_order(out / name)
         manifest["complete"].append(name)
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
