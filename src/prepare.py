@@ -137,7 +137,11 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
         if name in manifest["complete"]:
             print(f"{out / name}: already converted")
             continue
-        write_split(split, out / name, cfg, workers)
+        # An interrupted split continues with the worker count it started with (LitData's
+        # checkpoints are per worker).
+        started = manifest.setdefault("workers", {}).setdefault(name, workers)
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        write_split(split, out / name, cfg, started)
         np.save(out / f"{name}_labels.npy", split.targets.numpy())  # for figures, no decoding
         check_order(out / name)
         manifest["complete"].append(name)

@@ -1,0 +1,268 @@
+"""Data at scale: ``src.prepare`` writes LitData shards, ``data=shards`` streams them with the
+project's samplers (the same global batches for any world size and loader workers, exact eval,
+exact resume), ``data.augment`` is a function of (seed, epoch, index), and ``src.predict
+images=...`` classifies new files. Real processes on tiny generated data."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from src.task.data.augment import AugmentedSplit, EpochTaggedSampler, check_augment
+from src.task.data.mnist import DATASETS, MNISTDataModule, load_split
+from src.task.data.shards import ShardDataModule
+from src.template.data import DataError, TensorSplit, keep_batch
+from tests.conftest import (
+    N_TEST,
+    N_TRAIN,
+    PROJECT,
+    VAL_SIZE,
+    read_metrics,
+    run_entry,
+    tiny_overrides,
+)
+from tests.idx_data import make_dataset
+from tests.test_distributed import final_weights
+from tests.test_train import assert_same_tensors
+
+RECORDER = PROJECT / "tests" / "record_batches"
+AUGMENT = "data.augment={crop_scale:[0.6,1.0],flip:true,jitter:0.3}"
+# Networks without per-rank state (BatchNorm statistics, dropout masks), as test_distributed.
+SMALL = ["model.net.batch_norm=false", "model.net.dropout=0", "logger=none"]
+
+
+def prepare(data_root: Path, out: Path, cwd: Path, *more: str, check: bool = True):
+    args = [f"data.root={data_root}", "data.download=false", f"out={out}", "chunk_bytes=20KB"]
+    return run_entry("prepare", *args, *more, "hydra.run.dir=prepare", cwd=cwd, check=check)
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "tiny"
+    prepare(tiny_root, out, out.parent)
+    return out
+
+
+def shard_overrides(tiny_root: Path, shards: Path) -> list[str]:
+    """The tiny training job of conftest, reading the shards of the same data."""
+    source = [o for o in tiny_overrides(tiny_root) if not o.startswith("data.root")]
+    source.remove("data.download=false")
+    return ["data=shards", f"data.root={shards}", *source]
+
+
+def source_split(tiny_root: Path, train: bool) -> TensorSplit:
+    return TensorSplit(*load_split(tiny_root, DATASETS["mnist"], train=train))
+
+
+def test_prepare_writes_what_the_source_holds_and_refuses_other_data(
+    shards: Path, tiny_root: Path, tmp_path: Path
+) -> None:
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert manifest["counts"] == {"train": N_TRAIN, "test": N_TEST}
+    assert manifest["complete"] == ["train", "test"] and manifest["classes"] == list("0123456789")
+    assert len(list((shards / "train").glob("chunk-*.bin"))) > 2  # several shards
+    # The shards decode to exactly the source's pixels and labels, in index order.
+    dm = ShardDataModule("shards", str(shards), batch_size=32, val_size=VAL_SIZE)
+    for split, train in (("train", True), ("test", False)):
+        decoded = TensorSplit(*dm.read(split))
+        assert decoded.digest() == source_split(tiny_root, train).digest()
+        assert manifest["identity"]["digests"][split] == decoded.digest()
+    # Rerun: nothing to do. Other data into the same folder: one line, nothing written.
+    again = prepare(tiny_root, shards, tmp_path)
+    assert "train: already converted" in again.stdout
+    other = tmp_path / "other"
+    make_dataset(other, n_train=50, n_test=10, seed=1, learnable=True)
+    before = (shards / "manifest.json").read_text()
+    refused = prepare(other, shards, tmp_path, check=False)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "holds shards of other data" in refused.stderr + refused.stdout
+    assert (shards / "manifest.json").read_text() == before
+
+
+def test_an_interrupted_conversion_continues_where_it_stopped(tmp_path: Path) -> None:
+    data, out = tmp_path / "data", tmp_path / "out"
+    make_dataset(data, n_train=6000, n_test=10, seed=2, learnable=True)
+    args = [f"data.root={data}", "data.download=false", f"out={out}", "chunk_bytes=10KB"]
+    command = [sys.executable, "-m", "src.prepare", *args, "num_workers=1", "hydra.run.dir=p"]
+    proc = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "train" / "chunk-0-5.bin").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no shard written"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert json.loads((out / "manifest.json").read_text())["complete"] == []
+    with pytest.raises(DataError, match="did not finish; rerun"):
+        ShardDataModule("shards", str(out), batch_size=8, val_size=10)
+    resumed = run_entry("prepare", *args, "hydra.run.dir=p2", cwd=tmp_path)
+    assert "Resuming from last saved checkpoint" in resumed.stdout + resumed.stderr
+    dm = ShardDataModule("shards", str(out), batch_size=8, val_size=10)
+    source = TensorSplit(*load_split(data, DATASETS["mnist"], train=True))
+    assert TensorSplit(*dm.read("train")).digest() == source.digest()
+
+
+@pytest.mark.slow
+def test_shards_train_as_the_source_and_the_same_global_batches_on_two_ranks(
+    shards: Path, tiny_root: Path, tmp_path: Path
+) -> None:
+    """IDX data vs its shards (1 rank): identical metrics. Shards on 1 rank vs 2 ranks with 2
+    loader workers each: the same global batches, the same weights up to float summation order;
+    then evaluation of that checkpoint on 2 ranks equals 1 rank."""
+    env = {"PYTHONPATH": f"{RECORDER}{os.pathsep}{PROJECT}"}
+    jobs = {
+        "idx": [*tiny_overrides(tiny_root), "trainer.max_epochs=1"],
+        "shards1": [*shard_overrides(tiny_root, shards), "trainer.max_epochs=1"],
+        "shards2": [
+            *shard_overrides(tiny_root, shards),
+            "trainer.max_epochs=1",
+            "data.num_workers=2",
+        ],
+    }
+    jobs["shards2"] += ["strategy=ddp", "devices=2"]
+    for name, args in jobs.items():
+        record = tmp_path / f"{name}.jsonl"
+        run_entry(
+            "train", *args, *SMALL, f"hydra.run.dir={name}", cwd=tmp_path,
+            env={**env, "RECORD_BATCHES": str(record)},
+        )  # fmt: skip
+    assert read_metrics(tmp_path / "idx") == read_metrics(tmp_path / "shards1")
+
+    def global_batches(name: str) -> dict[tuple[int, int], list[int]]:
+        batches = defaultdict(list)
+        for line in (tmp_path / f"{name}.jsonl").read_text().splitlines():
+            step = json.loads(line)
+            batches[step["epoch"], step["batch"]] += step["indices"]
+        return {key: sorted(indices) for key, indices in batches.items()}
+
+    one, two = global_batches("shards1"), global_batches("shards2")
+    assert one == two and len(one) == (N_TRAIN - VAL_SIZE) // 32
+    assert_weights_close(tmp_path / "shards1", tmp_path / "shards2")
+
+    ckpt = tmp_path / "shards1" / "checkpoints" / "last.ckpt"
+    evals = {}
+    for devices in (1, 2):
+        ddp = ["strategy=ddp", f"devices={devices}"] if devices > 1 else []
+        run_dir = tmp_path / f"eval{devices}"
+        run_entry(
+            "eval", f"ckpt_path={ckpt}", "data=shards", f"data.root={shards}",
+            "data.num_workers=1", "logger=none", *ddp, f"hydra.run.dir={run_dir}", cwd=tmp_path,
+        )  # fmt: skip
+        evals[devices] = read_metrics(run_dir)
+    assert evals[1]["test/samples"] == evals[2]["test/samples"] == N_TEST
+    assert evals[1]["test/acc"] == evals[2]["test/acc"]
+    assert evals[1]["test/loss"] == pytest.approx(evals[2]["test/loss"], rel=1e-5)
+
+
+def assert_weights_close(a: Path, b: Path) -> None:
+    expected, actual = final_weights(a), final_weights(b)
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_augmented_shards_resumed_mid_epoch_with_workers_equal_the_uninterrupted_job(
+    shards: Path, tiny_root: Path, tmp_path: Path
+) -> None:
+    args = [*shard_overrides(tiny_root, shards), AUGMENT, *SMALL, "trainer.max_epochs=2"]
+    run_entry("train", *args, "hydra.run.dir=whole", cwd=tmp_path)
+    workers = [*args, "data.num_workers=2"]
+    run_entry("train", *workers, "+trainer.max_steps=14", "hydra.run.dir=cut", cwd=tmp_path)
+    last = tmp_path / "cut" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 14  # mid-epoch 2
+    run_entry("train", *workers, f"ckpt_path={last}", "hydra.run.dir=resumed", cwd=tmp_path)
+    expected = torch.load(tmp_path / "whole/checkpoints/last.ckpt", weights_only=True)
+    resumed = torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=True)
+    for part in ("epoch", "global_step", "state_dict", "optimizer_states"):
+        assert_same_tensors(resumed[part], expected[part], part)
+    whole, again = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "resumed")
+    assert again == pytest.approx(whole, rel=1e-5, abs=1e-6)
+
+
+def augmented_batches(split: TensorSplit, world: int, workers: int, epoch: int) -> torch.Tensor:
+    """The augmented samples of every global batch of ``epoch``, rank by rank concatenated."""
+    settings = check_augment({"crop_scale": [0.5, 1.0], "flip": True, "jitter": 0.4})
+    data = AugmentedSplit(split, settings, seed=3, mean=[0.5], std=[0.25])
+    per_rank = []
+    for rank in range(world):
+        sampler = EpochTaggedSampler(split, world, rank, global_batch_size=8, seed=3)
+        sampler.set_epoch(epoch)
+        loader = DataLoader(
+            data, batch_size=8 // world, sampler=sampler, num_workers=workers,
+            collate_fn=keep_batch,
+        )  # fmt: skip
+        per_rank.append([batch.inputs for batch in loader])
+    return torch.cat([torch.cat(step) for step in zip(*per_rank, strict=True)])
+
+
+def test_augmentation_is_a_function_of_seed_epoch_and_sample(tiny_root: Path) -> None:
+    images, labels = load_split(tiny_root, DATASETS["mnist"], train=False)
+    from src.task.data.images import Normalize
+
+    split = TensorSplit(images[:40], labels[:40], transform=Normalize([0.5], [0.25]))
+    one = augmented_batches(split, world=1, workers=0, epoch=1)
+    assert torch.equal(one, augmented_batches(split, world=2, workers=2, epoch=1))
+    assert torch.equal(one, augmented_batches(split, world=4, workers=0, epoch=1))
+    assert not torch.equal(one, augmented_batches(split, world=1, workers=0, epoch=2))
+    plain = torch.cat([split.__getitems__(list(range(40))).inputs])
+    assert one.shape == (40, 1, 28, 28) and not torch.equal(one.sort(0)[0], plain.sort(0)[0])
+    with pytest.raises(DataError, match="unknown keys"):
+        check_augment({"rotate": 10})
+
+
+def test_evaluation_loaders_are_not_augmented(tiny_root: Path) -> None:
+    settings = {"name": "mnist", "root": str(tiny_root), "download": False, "batch_size": 32}
+    dm = MNISTDataModule(**settings, val_size=VAL_SIZE, augment={"flip": True, "jitter": 0.5})
+    dm.setup("fit")
+    batch = next(iter(dm.val_dataloader()))
+    assert torch.equal(batch.inputs, dm.val_set.__getitems__(list(range(32))).inputs)
+    assert isinstance(dm.train_dataloader().dataset, AugmentedSplit)
+
+
+@pytest.mark.slow
+def test_predict_classifies_a_folder_of_new_images(
+    shards: Path, tiny_root: Path, tmp_path: Path
+) -> None:
+    run_entry(
+        "train", *shard_overrides(tiny_root, shards), "logger=none", "hydra.run.dir=t", cwd=tmp_path
+    )
+    images, labels = load_split(tiny_root, DATASETS["mnist"], train=False)
+    folder = tmp_path / "new"
+    for i in range(30):
+        path = folder / ("nested" if i % 2 else "") / f"{i:03d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(images[i, 0].numpy()).save(path)
+    ckpt = tmp_path / "t" / "checkpoints" / "last.ckpt"
+    run_entry("predict", f"ckpt_path={ckpt}", f"images={folder}", "hydra.run.dir=p", cwd=tmp_path)
+    with (tmp_path / "p" / "predictions_images.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    paths = [r["path"] for r in rows]
+    assert paths == sorted(paths) and {Path(p).name for p in paths} == {
+        f"{i:03d}.png" for i in range(30)
+    }
+    assert all(0 < float(r["confidence"]) <= 1 for r in rows)
+    right = sum(int(r["class_name"]) == int(labels[int(Path(r["path"]).stem)]) for r in rows)
+    assert right >= 27, rows  # the tiny data is learnable: test accuracy is ~1
+    missing = run_entry(
+        "predict", f"ckpt_path={ckpt}", f"images={folder}/*.jpg", "hydra.run.dir=q",
+        cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert missing.returncode == 1 and "no images" in missing.stderr + missing.stdout
