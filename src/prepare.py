@@ -128,6 +128,7 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
         "mean": list(datamodule.mean),
         "std": list(datamodule.std),
         "counts": {name: len(split) for name, split in splits.items()},
+        "val_size": datamodule.hparams.val_size,  # data=shards' default: the source's carve-out
         "complete": [],
     }
     out.mkdir(parents=True, exist_ok=True)

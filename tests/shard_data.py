@@ -15,6 +15,7 @@ def write_manifest(root: Path, classes: tuple[str, ...] = tuple("0123456789")) -
         "mean": [0.1307],
         "std": [0.3081],
         "counts": {"train": 0, "test": 0},
+        "val_size": 5,
         "complete": ["train", "test"],
     }
     (root / "manifest.json").write_text(json.dumps(manifest))

@@ -116,7 +116,7 @@ class ShardDataModule(ImageDataModule):
         name: str,
         root: str,
         batch_size: int,
-        val_size: int,
+        val_size: int | None = None,
         num_workers: int = 0,
         split_seed: int = 12345,
         shuffle_seed: int = 0,
@@ -140,6 +140,8 @@ class ShardDataModule(ImageDataModule):
         self.classes = tuple(manifest["classes"])
         self.image_shape = tuple(manifest["image_shape"])
         self.mean, self.std = tuple(manifest["mean"]), tuple(manifest["std"])
+        if val_size is None:  # the source dataset's: the same validation samples
+            self.hparams.val_size = manifest.get("val_size", 0)
 
     def _read_manifest(self, local: bool) -> dict[str, Any]:
         if local:
