@@ -90,9 +90,9 @@ def write_split(split: TensorSplit, folder: Path, cfg: DictConfig, num_workers: 
     )
 
 
-def check_order(folder: Path) -> None:
+def check_order(folder: Path) -> list[int]:
     """Shard position equals sample index: data=shards relies on it (checked at each chunk's
-    ends, cheap)."""
+    ends, cheap). The shards' sample counts, in index order."""
     from litdata import StreamingDataset
 
     dataset = StreamingDataset(str(folder))
@@ -103,6 +103,7 @@ def check_order(folder: Path) -> None:
             if dataset[position]["index"] != position:
                 raise DataError(f"{folder}: shards are not in index order; delete it and rerun")
         start += chunk["chunk_size"]
+    return [chunk["chunk_size"] for chunk in chunks]
 
 
 def prepare(cfg: DictConfig, task: Task) -> Path:
@@ -144,7 +145,7 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
         write_split(split, out / name, cfg, started)
         np.save(out / f"{name}_labels.npy", split.targets.numpy())  # for figures, no decoding
-        check_order(out / name)
+        manifest.setdefault("chunks", {})[name] = check_order(out / name)  # data.partitions
         manifest["complete"].append(name)
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     counts = ", ".join(f"{n} {name}" for name, n in manifest["counts"].items())

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from src.task.data.augment import AugmentedSplit, EpochTaggedSampler, check_augment
 from src.task.data.mnist import DATASETS, MNISTDataModule, load_split
+from src.task.data.partitions import PartitionedBatchSampler, partition_rows
 from src.task.data.shards import ShardDataModule
 from src.template.data import DataError, TensorSplit, keep_batch
 from tests.conftest import (
@@ -146,14 +147,10 @@ def test_shards_train_as_the_source_and_the_same_global_batches_on_two_ranks(
         )  # fmt: skip
     assert read_metrics(tmp_path / "idx") == read_metrics(tmp_path / "shards1")
 
-    def global_batches(name: str) -> dict[tuple[int, int], list[int]]:
-        batches = defaultdict(list)
-        for line in (tmp_path / f"{name}.jsonl").read_text().splitlines():
-            step = json.loads(line)
-            batches[step["epoch"], step["batch"]] += step["indices"]
-        return {key: sorted(indices) for key, indices in batches.items()}
-
-    one, two = global_batches("shards1"), global_batches("shards2")
+    one, two = (
+        global_batches(tmp_path / "shards1.jsonl"),
+        global_batches(tmp_path / "shards2.jsonl"),
+    )
     assert one == two and len(one) == (N_TRAIN - VAL_SIZE) // 32
     assert_weights_close(tmp_path / "shards1", tmp_path / "shards2")
 
@@ -170,6 +167,15 @@ def test_shards_train_as_the_source_and_the_same_global_batches_on_two_ranks(
     assert evals[1]["test/samples"] == evals[2]["test/samples"] == N_TEST
     assert evals[1]["test/acc"] == evals[2]["test/acc"]
     assert evals[1]["test/loss"] == pytest.approx(evals[2]["test/loss"], rel=1e-5)
+
+
+def global_batches(record: Path) -> dict[tuple[int, int], list[int]]:
+    """Each (epoch, batch)'s samples over all ranks, from ``tests/record_batches``."""
+    batches = defaultdict(list)
+    for line in record.read_text().splitlines():
+        step = json.loads(line)
+        batches[step["epoch"], step["batch"]] += step["indices"]
+    return {key: sorted(indices) for key, indices in batches.items()}
 
 
 def assert_weights_close(a: Path, b: Path) -> None:
@@ -266,3 +272,62 @@ def test_predict_classifies_a_folder_of_new_images(
         cwd=tmp_path, check=False,
     )  # fmt: skip
     assert missing.returncode == 1 and "no images" in missing.stderr + missing.stdout
+
+
+def chunk_of(manifest: dict, positions: list[int]) -> set[int]:
+    ends = torch.tensor(manifest["chunks"]["train"]).cumsum(0)
+    return set(torch.searchsorted(ends, torch.tensor(positions), right=True).tolist())
+
+
+def test_partitions_give_each_rank_its_own_shards_and_every_world_the_same_batches(
+    shards: Path,
+) -> None:
+    dm = ShardDataModule("shards", str(shards), batch_size=32, val_size=VAL_SIZE, partitions=4)
+    dm.load("fit")
+    split, manifest = dm.train_set, dm.manifest
+    parts = partition_rows(manifest["chunks"]["train"], 4, split.indices)
+    batches, touched = {}, {}
+    for world in (1, 2, 4):
+        samplers = [
+            PartitionedBatchSampler(split, world, rank, 32, seed=5, parts=parts)
+            for rank in range(world)
+        ]
+        for sampler in samplers:
+            sampler.set_epoch(1)
+        shares = [torch.tensor(list(s)).view(len(s) // (32 // world), -1) for s in samplers]
+        batches[world] = [sorted(torch.cat(step).tolist()) for step in zip(*shares, strict=True)]
+        touched[world] = [
+            chunk_of(manifest, split.indices[share.flatten()].tolist()) for share in shares
+        ]
+    assert batches[1] == batches[2] == batches[4] and len(batches[1]) >= 8
+    all_chunks = set(range(len(manifest["chunks"]["train"])))
+    for world in (2, 4):  # disjoint shards per rank, together all of them
+        assert set().union(*touched[world]) == touched[1][0] == all_chunks
+        assert sum(len(t) for t in touched[world]) == len(all_chunks)
+    # Resumed after 3 batches: the rest of the epoch, and another epoch is another order.
+    full = PartitionedBatchSampler(split, 2, 1, 32, seed=5, parts=parts)
+    full.set_epoch(1)
+    resumed = PartitionedBatchSampler(split, 2, 1, 32, seed=5, parts=parts)
+    resumed.resume_at(1, 3)
+    assert list(resumed) == list(full)[3 * 16 :]
+    full.set_epoch(2)
+    assert list(full) != list(resumed)
+    with pytest.raises(DataError, match="multiple of the world size 3"):
+        PartitionedBatchSampler(split, 3, 0, 33, seed=5, parts=parts)
+
+
+@pytest.mark.slow
+def test_partitioned_shards_train_the_same_on_one_and_two_ranks(
+    shards: Path, tiny_root: Path, tmp_path: Path
+) -> None:
+    args = [*shard_overrides(tiny_root, shards), *SMALL, "trainer.max_epochs=1"]
+    args += ["data.partitions=2", AUGMENT]
+    env = {"PYTHONPATH": f"{RECORDER}{os.pathsep}{PROJECT}"}
+    for name, more in (("one", []), ("two", ["strategy=ddp", "devices=2", "data.num_workers=1"])):
+        run_entry(
+            "train", *args, *more, f"hydra.run.dir={name}", cwd=tmp_path,
+            env={**env, "RECORD_BATCHES": str(tmp_path / f"{name}.jsonl")},
+        )  # fmt: skip
+    one, two = global_batches(tmp_path / "one.jsonl"), global_batches(tmp_path / "two.jsonl")
+    assert one == two and len(one) >= 8
+    assert_weights_close(tmp_path / "one", tmp_path / "two")

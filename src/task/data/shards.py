@@ -17,11 +17,13 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-from src.task.data.augment import check_augment
+from src.task.data.augment import AugmentedSplit, check_augment
 from src.task.data.images import ImageDataModule
+from src.task.data.partitions import PartitionedBatchSampler, partition_rows
 from src.template.data import Batch, DataError
+from src.template.resume import resume_position
 
 MODES = {1: "L", 3: "RGB"}
 
@@ -124,6 +126,7 @@ class ShardDataModule(ImageDataModule):
         device_resident: bool = False,
         augment: dict | None = None,
         max_cache_size: str = "10GB",
+        partitions: int | None = None,
     ) -> None:
         if device_resident:
             raise DataError("data=shards streams from disk; set data.device_resident=false")
@@ -208,6 +211,27 @@ class ShardDataModule(ImageDataModule):
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.split_seed))
         self.val_set = self._split("train", perm[:val_size], labels)
         self.train_set = self._split("train", perm[val_size:], labels)
+
+    def train_dataloader(self) -> DataLoader:
+        """``data.partitions=C``: each rank reads only its partitions' shards
+        (:mod:`src.task.data.partitions`); otherwise the project's global order."""
+        count = self.hparams.get("partitions")
+        if not count:
+            return super().train_dataloader()
+        if "chunks" not in self.manifest:
+            raise DataError(f"{self.root}: convert again with src.prepare for data.partitions")
+        parts = partition_rows(self.manifest["chunks"]["train"], count, self.train_set.indices)
+        settings = check_augment(self.hparams.get("augment"))
+        seed = self.hparams.shuffle_seed
+        sampler = PartitionedBatchSampler(
+            self.train_set, *self._world(), self.hparams.batch_size, seed, parts,
+            tag_epoch=settings is not None,
+        )  # fmt: skip
+        sampler.resume_at(*resume_position(self.trainer))  # before any worker fetches
+        data = self.train_set
+        if settings is not None:
+            data = AugmentedSplit(data, settings, seed, self.mean, self.std)
+        return self._loader(data, sampler)
 
     def _load_test(self) -> None:
         if self.test_set is None:
