@@ -6,7 +6,9 @@ images=...`` classifies new files. Real processes on tiny generated data."""
 import csv
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -331,3 +333,81 @@ def test_partitioned_shards_train_the_same_on_one_and_two_ranks(
     one, two = global_batches(tmp_path / "one.jsonl"), global_batches(tmp_path / "two.jsonl")
     assert one == two and len(one) >= 8
     assert_weights_close(tmp_path / "one", tmp_path / "two")
+
+
+@pytest.fixture
+def s3_server(tmp_path: Path):
+    """A local moto S3 server (started and stopped here) and the environment that points boto3
+    and LitData at it."""
+    server = shutil.which("moto_server")
+    if server is None:
+        pytest.skip("moto_server not found (pip install 'moto[server]')")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [server, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "moto did not start"
+                time.sleep(0.1)
+        yield env
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
+def upload(folder: Path, bucket: str, prefix: str, env: dict[str, str]) -> str:
+    import boto3
+
+    s3 = boto3.client(
+        "s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_DEFAULT_REGION"],
+        aws_access_key_id="test", aws_secret_access_key="test",
+    )  # fmt: skip
+    s3.create_bucket(Bucket=bucket)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder)}")
+    return f"s3://{bucket}/{prefix}"
+
+
+@pytest.mark.slow
+def test_shards_stream_from_s3_through_a_bounded_cache(
+    shards: Path, tiny_root: Path, tmp_path: Path, s3_server: dict[str, str], monkeypatch
+) -> None:
+    root = upload(shards, "data", "tiny", s3_server)
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    cache = tmp_path / "cache"
+    remote = ShardDataModule(
+        "shards", root, batch_size=32, val_size=VAL_SIZE, num_workers=2,
+        cache_dir=str(cache), max_cache_size="1MB",
+    )  # fmt: skip
+    local = ShardDataModule("shards", str(shards), batch_size=32, val_size=VAL_SIZE)
+    for dm in (remote, local):
+        dm.setup("fit")
+    batches = [list(dm.train_dataloader())[:4] for dm in (remote, local)]
+    for got, expected in zip(*batches, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert list(cache.rglob("chunk-*.bin")), "shards were not cached"
+    # A real training job reading the bucket, with the bounded cache.
+    args = [*shard_overrides(tiny_root, shards), "trainer.max_epochs=1", "logger=none"]
+    args = [a for a in args if not a.startswith("data.root")] + [f"data.root={root}"]
+    args += [f"data.cache_dir={tmp_path / 'job-cache'}", "data.max_cache_size=1MB"]
+    run_entry("train", *args, "hydra.run.dir=s3", cwd=tmp_path, env=s3_server)
+    assert read_metrics(tmp_path / "s3")["test/samples"] == N_TEST

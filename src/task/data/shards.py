@@ -10,6 +10,7 @@ open shards, not the dataset. Validation is carved from train as for every datas
 import hashlib
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,15 @@ def decode(data: bytes, channels: int) -> np.ndarray:
     return pixels.reshape(pixels.shape[0], pixels.shape[1], -1).transpose(2, 0, 1)
 
 
+def allow_plain_http() -> None:
+    """An ``http://`` ``AWS_ENDPOINT_URL`` (MinIO, a local moto server) is what the user asked
+    for: let LitData's obstore client use it (it refuses plain HTTP by default)."""
+    if os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://"):
+        from litdata.streaming import downloader
+
+        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True  # type: ignore[index]
+
+
 class ShardSplit(Dataset):
     """Some samples of one split's shards (``positions``: their indices in the official split),
     fetched and decoded a batch at a time; ``inputs[i]`` decodes one image (figures, export)."""
@@ -48,8 +58,10 @@ class ShardSplit(Dataset):
         transform: nn.Module | None,
         digest: str,
         max_cache_size: str,
+        cache_dir: str | None = None,
     ) -> None:
         self.folder, self.channels, self.transform = folder, channels, transform
+        self.cache_dir = cache_dir
         self.indices, self.targets = positions, labels[positions]
         self.max_cache_size = max_cache_size
         self._digest = hashlib.md5(f"{digest}:".encode() + positions.numpy().tobytes()).hexdigest()
@@ -68,7 +80,18 @@ class ShardSplit(Dataset):
         if self._data is None:
             from litdata import StreamingDataset
 
-            self._data = StreamingDataset(self.folder, max_cache_size=self.max_cache_size)
+            self._data = StreamingDataset(
+                self.folder, max_cache_size=self.max_cache_size, cache_dir=self.cache_dir
+            )
+            if "://" in self.folder:
+                # Remote: whole shards are downloaded into the bounded cache and read from
+                # there, rather than one ranged GET per sample (LitData's default for reads
+                # by index). Pinned litdata: its cache is built as __getitem__ builds it.
+                from litdata.utilities.env import _WorkerEnv
+
+                allow_plain_http()
+                self._data.cache = self._data._create_cache(worker_env=_WorkerEnv.detect())
+                self._data.on_demand_bytes = False
         return self._data
 
     def raw(self, rows: list[int]) -> Tensor:
@@ -126,6 +149,7 @@ class ShardDataModule(ImageDataModule):
         device_resident: bool = False,
         augment: dict | None = None,
         max_cache_size: str = "10GB",
+        cache_dir: str | None = None,
         partitions: int | None = None,
     ) -> None:
         if device_resident:
@@ -190,6 +214,7 @@ class ShardDataModule(ImageDataModule):
             self.transform(),
             self.manifest["identity"]["digests"][split],
             self.hparams.max_cache_size,
+            self.hparams.cache_dir,
         )
 
     def read(self, split: str) -> tuple[Tensor, Tensor]:
