@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
 from src.task import TASK
+from src.task.data.shards import litdata
 from src.template import entry
 from src.template.config import check_choice, check_keys
 from src.template.data import DataError, TensorSplit
@@ -73,7 +74,7 @@ def check_folder(out: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
 
 def write_split(split: TensorSplit, folder: Path, cfg: DictConfig, num_workers: int) -> None:
     """One split as LitData shards in ``folder`` (continues an interrupted conversion)."""
-    from litdata import optimize
+    optimize = litdata().optimize
 
     images = split.inputs.permute(0, 2, 3, 1).contiguous().numpy()  # [N, H, W, C]
     labels = split.targets.numpy()
@@ -93,9 +94,7 @@ def write_split(split: TensorSplit, folder: Path, cfg: DictConfig, num_workers: 
 def check_order(folder: Path) -> list[int]:
     """Shard position equals sample index: data=shards relies on it (checked at each chunk's
     ends, cheap). The shards' sample counts, in index order."""
-    from litdata import StreamingDataset
-
-    dataset = StreamingDataset(str(folder))
+    dataset = litdata().StreamingDataset(str(folder))
     chunks = json.loads((folder / "index.json").read_text())["chunks"]
     start = 0
     for chunk in chunks:

@@ -36,6 +36,18 @@ def decode(data: bytes, channels: int) -> np.ndarray:
     return pixels.reshape(pixels.shape[0], pixels.shape[1], -1).transpose(2, 0, 1)
 
 
+def litdata() -> Any:
+    """The ``litdata`` module, or a one-line way to install it."""
+    try:
+        import litdata
+    except ImportError as error:
+        raise DataError(
+            "data=shards and src.prepare need LitData: "
+            "pip install --no-deps -c constraints.txt litdata"
+        ) from error
+    return litdata
+
+
 def allow_plain_http() -> None:
     """An ``http://`` ``AWS_ENDPOINT_URL`` (MinIO, a local moto server) is what the user asked
     for: let LitData's obstore client use it (it refuses plain HTTP by default)."""
@@ -78,9 +90,7 @@ class ShardSplit(Dataset):
 
     def data(self) -> Any:
         if self._data is None:
-            from litdata import StreamingDataset
-
-            self._data = StreamingDataset(
+            self._data = litdata().StreamingDataset(
                 self.folder, max_cache_size=self.max_cache_size, cache_dir=self.cache_dir
             )
             if "://" in self.folder:
