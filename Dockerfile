@@ -24,7 +24,8 @@ COPY src/ src/
 COPY hydra_plugins/ hydra_plugins/
 # The README's install, without the dev extra: the same pinned versions (constraints.txt).
 RUN python3 -m venv /opt/venv \
-    && /opt/venv/bin/pip install --find-links /wheelhouse -c constraints.txt -e .
+    && /opt/venv/bin/pip install --find-links /wheelhouse -c constraints.txt -e . \
+    && /opt/venv/bin/pip install --no-deps -c constraints.txt litdata
 
 FROM base
 RUN useradd --create-home --uid 1000 app

@@ -11,6 +11,7 @@ help:  ## list the targets
 install:  ## create .venv and install the project with the pinned versions (as the README)
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -e ".[dev]" -c constraints.txt
+	$(BIN)/pip install --no-deps -c constraints.txt litdata
 
 train:  ## train with the defaults; pass overrides as ARGS="data=fashion_mnist devices=2"
 	$(PY) -m src.train $(ARGS)

@@ -2,7 +2,8 @@
 
 The CSV has one row per sample in dataset order, with the columns the task reports (here: index
 in the official file, true label, predicted label, its class name, confidence); its path is
-printed at the end.
+printed at the end. ``images=DIR_OR_GLOB`` classifies new image files instead
+(``predictions_images.csv``: path, predicted label, class name, confidence).
 """
 
 from pathlib import Path
@@ -18,6 +19,11 @@ from src.template.trainer import build_callbacks, build_trainer
 
 
 def predict(cfg: DictConfig, task: Task) -> Path:
+    if cfg.get("images"):  # new, unlabelled images: src/task/predict_images.py
+        from src.task.predict_images import predict_images
+
+        out = Path(cfg.paths.output_dir) / "predictions_images.csv"
+        return predict_images(cfg.ckpt_path, cfg.images, out, task)
     check_choice("split", cfg.split, ("test", "val", "train"))
     model, datamodule, source = from_checkpoint(cfg, task)  # shared with src.eval
     datamodule.predict_split = cfg.split

@@ -21,6 +21,7 @@ from src.template.tracking import build_loggers
 from src.template.trainer import build_callbacks, build_trainer, check_settings
 from tests.conftest import PROJECT
 from tests.image_data import make_image_folder
+from tests.shard_data import write_manifest
 
 CONF = PROJECT / "conf"
 GROUPS = ("data", "strategy", "trainer", "callbacks", "logger", "debug", "experiment")
@@ -62,6 +63,8 @@ def test_group_option_composes_and_builds(name: str, override: str, tmp_path: Pa
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     if cfg.data.name == "image_folder":
         make_image_folder(Path(cfg.data.root), n_train=2, n_test=1)
+    if cfg.data.name == "shards":
+        write_manifest(Path(cfg.data.root))
     if cfg.accelerator == "gpu" and not torch.cuda.is_available():  # trainer=gpu
         with pytest.raises(ConfigError, match="accelerator=gpu but no GPU is visible here"):
             check_settings(cfg, fitting=name == "train")

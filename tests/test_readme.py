@@ -59,6 +59,8 @@ SKIPPED: dict[str, str] = {
     "to a copy of the project and runs these",
     r"accelerator=gpu|trainer=gpu\b|--gpus\b": "needs a GPU",
     r"\$SKYPILOT_": "runs on the nodes of a SkyPilot cluster",
+    r"\bdata=shards\b|\bimages=": "reads shards that src.prepare wrote or new image files: "
+    "tests/test_shards.py runs these",
 }
 
 # Placeholders a reader fills in, and what the tests fill in.

@@ -5,9 +5,11 @@ dataset is a module here, a line in ``DATAMODULES`` and a file in ``conf/data/``
 from src.task.data.image_folder import ImageFolderDataModule
 from src.task.data.images import ImageDataModule
 from src.task.data.mnist import MNISTDataModule
+from src.task.data.shards import ShardDataModule
 
 DATAMODULES: dict[str, type[ImageDataModule]] = {
     "mnist": MNISTDataModule,
     "fashion_mnist": MNISTDataModule,
     "image_folder": ImageFolderDataModule,
+    "shards": ShardDataModule,
 }

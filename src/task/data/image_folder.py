@@ -12,6 +12,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
+from src.task.data.augment import check_augment
 from src.task.data.images import ImageDataModule
 from src.template.data import DataError
 
@@ -92,6 +93,7 @@ class ImageFolderDataModule(ImageDataModule):
         shuffle_seed: int = 0,
         pin_memory: bool = False,
         device_resident: bool = False,
+        augment: dict | None = None,
     ) -> None:
         if channels not in MODES:
             raise DataError(f"data.channels={channels} must be 1 (grayscale) or 3 (RGB)")
@@ -99,6 +101,7 @@ class ImageFolderDataModule(ImageDataModule):
         if len(size) != 2 or min(size) < 1:
             raise DataError(f"data.image_size={image_size} must be [height, width] or one side")
         super().__init__()
+        check_augment(augment)
         self.save_hyperparameters(logger=False)  # stored in checkpoints; tracking logs the config
         self.root = Path(root).expanduser()
         self.image_shape = (channels, *size)

@@ -7,8 +7,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
+from src.task.data.augment import AugmentedSplit, EpochTaggedSampler, check_augment
 from src.template.data import DataError, TensorDataModule
+from src.template.resume import resume_position
 
 
 class Normalize(nn.Module):
@@ -53,6 +56,20 @@ class ImageDataModule(TensorDataModule):
 
     def transform(self) -> nn.Module:
         return Normalize(self.mean, self.std)
+
+    def train_dataloader(self) -> DataLoader:
+        """With ``data.augment``: the same global batches, each sample augmented as a function
+        of (shuffle seed, epoch, sample index) (:mod:`src.task.data.augment`)."""
+        settings = check_augment(self.hparams.get("augment"))
+        if settings is None:
+            return super().train_dataloader()
+        if self.hparams.get("device_resident"):
+            raise DataError("data.augment runs in the loader; set data.device_resident=false")
+        seed = self.hparams.shuffle_seed
+        sampler = EpochTaggedSampler(self.train_set, *self._world(), self.hparams.batch_size, seed)
+        sampler.resume_at(*resume_position(self.trainer))  # before any worker fetches
+        augmented = AugmentedSplit(self.train_set, settings, seed, self.mean, self.std)
+        return self._loader(augmented, sampler)
 
     def state_dict(self) -> dict[str, Any]:
         """Saved in checkpoints: eval and predict normalise as training did (also where the

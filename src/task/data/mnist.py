@@ -17,6 +17,7 @@ import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from torch import Tensor
 
+from src.task.data.augment import check_augment
 from src.task.data.images import ImageDataModule
 from src.template.data import DataError
 
@@ -238,10 +239,12 @@ class MNISTDataModule(ImageDataModule):
         shuffle_seed: int = 0,
         pin_memory: bool = False,
         device_resident: bool = False,
+        augment: dict | None = None,
     ) -> None:
         if name not in DATASETS:
             raise DataError(f"data.name={name!r} is unknown; valid names: {', '.join(DATASETS)}")
         super().__init__()
+        check_augment(augment)
         self.save_hyperparameters(logger=False)  # stored in checkpoints; tracking logs the config
         self.spec = DATASETS[name]
         self.root = Path(root).expanduser()

@@ -1,0 +1,156 @@
+"""``python -m src.prepare [data=...] out=DIR``: a dataset as shards for ``data=shards``.
+
+Any dataset of the data contract (IDX files, image folders) is read as the training job reads it
+and written with LitData's ``optimize()`` into ``DIR/train`` and ``DIR/test``: one sample per
+image, ``{"index": position in the official split, "label": int, "image": PNG or JPEG bytes}``,
+in index order, on every core, with LitData's progress bar. ``DIR/manifest.json`` says what
+the shards hold: dataset, classes, image shape, mean/std, counts and a content digest per split;
+``DIR/<split>_labels.npy`` their labels.
+
+Rerunning an interrupted conversion continues it (LitData's checkpoints); a finished split is
+kept. A folder that holds shards of other data is refused.
+"""
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+from PIL import Image
+
+from src.task import TASK
+from src.task.data.shards import litdata
+from src.template import entry
+from src.template.config import check_choice, check_keys
+from src.template.data import DataError, TensorSplit
+from src.template.task import Task
+
+MANIFEST = "manifest.json"
+SPLITS = ("train", "test")
+
+
+class Encoder:
+    """Sample ``i`` of one split as ``{"index", "label", "image"}`` (runs in LitData's workers,
+    forked: the decoded split is shared, not copied)."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, fmt: str, quality: int) -> None:
+        self.images, self.labels, self.fmt, self.quality = images, labels, fmt, quality
+
+    def __call__(self, i: int) -> dict[str, Any]:
+        pixels = self.images[i]
+        image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+        buffer = io.BytesIO()
+        if self.fmt == "png":
+            image.save(buffer, format="PNG", compress_level=6)
+        else:
+            image.save(buffer, format="JPEG", quality=self.quality)
+        return {"index": int(i), "label": int(self.labels[i]), "image": buffer.getvalue()}
+
+
+def identity(datamodule: Any, digests: dict[str, str]) -> dict[str, Any]:
+    """What the shards are of: two conversions with the same identity may share a folder."""
+    return {"dataset": datamodule.name, "digests": digests}
+
+
+def check_folder(out: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest already in ``out`` (None if empty); refuse shards of other data."""
+    path = out / MANIFEST
+    if path.is_file():
+        manifest = json.loads(path.read_text())
+        if manifest["identity"] != expected:
+            theirs = manifest["identity"]
+            raise DataError(
+                f"{out} holds shards of other data ({theirs['dataset']}, digests "
+                f"{theirs['digests']}); choose another out= folder"
+            )
+        return manifest
+    if out.exists() and any(out.iterdir()):
+        raise DataError(f"{out} is not empty and has no {MANIFEST}; choose an empty out= folder")
+    return None
+
+
+def write_split(split: TensorSplit, folder: Path, cfg: DictConfig, num_workers: int) -> None:
+    """One split as LitData shards in ``folder`` (continues an interrupted conversion)."""
+    optimize = litdata().optimize
+
+    images = split.inputs.permute(0, 2, 3, 1).contiguous().numpy()  # [N, H, W, C]
+    labels = split.targets.numpy()
+    encoder = Encoder(images, labels, cfg.format, cfg.jpeg_quality)
+    optimize(
+        fn=encoder,
+        inputs=list(range(len(labels))),
+        output_dir=str(folder),
+        chunk_bytes=cfg.chunk_bytes,
+        num_workers=max(1, min(num_workers, len(labels))),
+        use_checkpoint=True,  # rerun = continue; implies keep_data_ordered: index order
+        start_method="fork",
+        reorder_files=False,
+    )
+
+
+def check_order(folder: Path) -> list[int]:
+    """Shard position equals sample index: data=shards relies on it (checked at each chunk's
+    ends, cheap). The shards' sample counts, in index order."""
+    dataset = litdata().StreamingDataset(str(folder))
+    chunks = json.loads((folder / "index.json").read_text())["chunks"]
+    start = 0
+    for chunk in chunks:
+        for position in {start, start + chunk["chunk_size"] - 1}:
+            if dataset[position]["index"] != position:
+                raise DataError(f"{folder}: shards are not in index order; delete it and rerun")
+        start += chunk["chunk_size"]
+    return [chunk["chunk_size"] for chunk in chunks]
+
+
+def prepare(cfg: DictConfig, task: Task) -> Path:
+    if not cfg.out:
+        raise DataError("out=DIR is required: the folder the shards are written to")
+    check_choice("format", cfg.format, ("png", "jpeg"))
+    out = Path(cfg.out).expanduser().resolve()
+    data_class = task.datamodule_class(cfg.data.name)
+    check_keys("data", cfg.data, data_class)
+    datamodule = data_class(**OmegaConf.to_container(cfg.data, resolve=True))
+    datamodule.prepare_data()
+    splits = {}
+    for name in SPLITS:
+        inputs, targets = datamodule._checked(name)  # read and validated as training reads them
+        splits[name] = TensorSplit(inputs, targets)
+    digests = {name: split.digest() for name, split in splits.items()}
+    expected = identity(datamodule, digests)
+    manifest = check_folder(out, expected) or {
+        "format": cfg.format,
+        "identity": expected,
+        "classes": list(datamodule.classes),
+        "image_shape": list(datamodule.image_shape),
+        "mean": list(datamodule.mean),
+        "std": list(datamodule.std),
+        "counts": {name: len(split) for name, split in splits.items()},
+        "val_size": datamodule.hparams.val_size,  # data=shards' default: the source's carve-out
+        "complete": [],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    workers = cfg.num_workers or os.cpu_count() or 1
+    for name, split in splits.items():
+        if name in manifest["complete"]:
+            print(f"{out / name}: already converted")
+            continue
+        # An interrupted split continues with the worker count it started with (LitData's
+        # checkpoints are per worker).
+        started = manifest.setdefault("workers", {}).setdefault(name, workers)
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        write_split(split, out / name, cfg, started)
+        np.save(out / f"{name}_labels.npy", split.targets.numpy())  # for figures, no decoding
+        manifest.setdefault("chunks", {})[name] = check_order(out / name)  # data.partitions
+        manifest["complete"].append(name)
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    counts = ", ".join(f"{n} {name}" for name, n in manifest["counts"].items())
+    print(f"Shards of {counts} images written to {out}; train with data=shards data.root={out}")
+    return out
+
+
+if __name__ == "__main__":
+    entry.main("prepare", prepare, TASK)

@@ -1,0 +1,118 @@
+"""Train-time augmentation (``data.augment``): random resized crop, horizontal flip, colour
+jitter, with torch ops only.
+
+Each sample's randomness is a function of (seed, epoch, sample index) alone: the sampler hands
+the loader ``(epoch, position)`` pairs, so the augmented batch is the same for any number of
+devices or loader workers, and a resumed job draws what the uninterrupted one drew.
+"""
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from src.template.data import Batch, DataError
+from src.template.resume import GlobalBatchSampler
+
+KEYS = {"crop_scale", "crop_ratio", "flip", "jitter"}
+
+
+def check_augment(augment: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``data.augment``: null (off) or a mapping of :data:`KEYS`; refuse anything else."""
+    if not augment:
+        return None
+    unknown = set(augment) - KEYS
+    if unknown:
+        raise DataError(
+            f"data.augment has unknown keys {sorted(unknown)}; valid: {', '.join(sorted(KEYS))}"
+        )
+    scale = augment.get("crop_scale")
+    if scale is not None and not (len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1):
+        raise DataError(f"data.augment.crop_scale={scale} must be [low, high] in (0, 1]")
+    jitter = float(augment.get("jitter") or 0)
+    if not 0 <= jitter < 1:
+        raise DataError(f"data.augment.jitter={jitter} must be in [0, 1)")
+    return dict(augment)
+
+
+class EpochTaggedSampler(GlobalBatchSampler):
+    """The project's global batch order, each position handed out as ``(epoch, position)``."""
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        epoch = self.epoch
+        return ((epoch, i) for i in super().__iter__())
+
+
+def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    state = np.random.SeedSequence([seed, epoch, index]).generate_state(1)[0]
+    return torch.Generator().manual_seed(int(state))
+
+
+def augment_one(image: Tensor, settings: dict[str, Any], generator: torch.Generator) -> Tensor:
+    """One float image ``[C, H, W]`` of ``[0, 1]`` pixels, augmented with ``generator``."""
+
+    def uniform(low: float, high: float) -> float:
+        return low + (high - low) * float(torch.rand((), generator=generator))
+
+    channels, height, width = image.shape
+    scale = settings.get("crop_scale")
+    if scale is not None:
+        ratio = settings.get("crop_ratio") or (3 / 4, 4 / 3)
+        area = uniform(*scale) * height * width
+        aspect = math.exp(uniform(math.log(ratio[0]), math.log(ratio[1])))
+        h = min(height, max(1, round(math.sqrt(area / aspect))))
+        w = min(width, max(1, round(math.sqrt(area * aspect))))
+        top = int(torch.randint(0, height - h + 1, (), generator=generator))
+        left = int(torch.randint(0, width - w + 1, (), generator=generator))
+        crop = image[None, :, top : top + h, left : left + w]
+        image = F.interpolate(crop, size=(height, width), mode="bilinear", align_corners=False)[0]
+    if settings.get("flip") and float(torch.rand((), generator=generator)) < 0.5:
+        image = image.flip(-1)
+    jitter = float(settings.get("jitter") or 0)
+    if jitter:
+        image = image * uniform(1 - jitter, 1 + jitter)  # brightness
+        mean = image.mean()
+        image = (image - mean) * uniform(1 - jitter, 1 + jitter) + mean  # contrast
+        if channels == 3:  # saturation
+            weights = torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)
+            gray = (image * weights).sum(0, keepdim=True)
+            image = (image - gray) * uniform(1 - jitter, 1 + jitter) + gray
+        image = image.clamp(0, 1)
+    return image
+
+
+class AugmentedSplit(Dataset):
+    """A training split whose batches are augmented per sample; takes ``(epoch, position)``
+    pairs from :class:`EpochTaggedSampler`. Works on the normalised batch the split returns
+    (undone, augmented on ``[0, 1]`` pixels, redone), so any split of the contract fits."""
+
+    def __init__(
+        self,
+        split: Dataset,
+        settings: dict[str, Any],
+        seed: int,
+        mean: Sequence[float],
+        std: Sequence[float],
+    ) -> None:
+        self.split, self.settings, self.seed = split, settings, seed
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitems__(self, items: list[tuple[int, int]]) -> Batch:
+        batch = self.split.__getitems__([position for _, position in items])
+        pixels = batch.inputs * self.std + self.mean
+        augmented = torch.stack(
+            [
+                augment_one(image, self.settings, sample_generator(self.seed, epoch, int(index)))
+                for image, (epoch, _), index in zip(pixels, items, batch.indices, strict=True)
+            ]
+        )
+        return Batch((augmented - self.mean) / self.std, batch.targets, batch.indices)

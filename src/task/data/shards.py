@@ -1,0 +1,274 @@
+"""``data=shards``: the shards ``python -m src.prepare`` wrote, streamed from disk (or S3).
+
+Samples are read by index through LitData's random access (``StreamingDataset[i]``) with the
+project's own samplers, so the global batches are those of the in-memory datasets: a function
+of (seed, epoch) only, the same for any number of devices and loader workers, and resumable
+mid-epoch. PNG/JPEG decoding (and ``data.augment``) runs in the loader workers; memory is the
+open shards, not the dataset. Validation is carved from train as for every dataset.
+"""
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from src.task.data.augment import AugmentedSplit, check_augment
+from src.task.data.images import ImageDataModule
+from src.task.data.partitions import PartitionedBatchSampler, partition_rows
+from src.template.data import Batch, DataError
+from src.template.resume import resume_position
+
+MODES = {1: "L", 3: "RGB"}
+
+
+def decode(data: bytes, channels: int) -> np.ndarray:
+    """PNG/JPEG bytes -> ``uint8 [C, H, W]``."""
+    with Image.open(io.BytesIO(data)) as image:
+        pixels = np.asarray(image.convert(MODES[channels]), dtype=np.uint8)
+    return pixels.reshape(pixels.shape[0], pixels.shape[1], -1).transpose(2, 0, 1)
+
+
+def litdata() -> Any:
+    """The ``litdata`` module, or a one-line way to install it."""
+    try:
+        import litdata
+    except ImportError as error:
+        raise DataError(
+            "data=shards and src.prepare need LitData: "
+            "pip install --no-deps -c constraints.txt litdata"
+        ) from error
+    return litdata
+
+
+def allow_plain_http() -> None:
+    """An ``http://`` ``AWS_ENDPOINT_URL`` (MinIO, a local moto server) is what the user asked
+    for: let LitData's obstore client use it (it refuses plain HTTP by default)."""
+    if os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://"):
+        from litdata.streaming import downloader
+
+        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True  # type: ignore[index]
+
+
+class ShardSplit(Dataset):
+    """Some samples of one split's shards (``positions``: their indices in the official split),
+    fetched and decoded a batch at a time; ``inputs[i]`` decodes one image (figures, export)."""
+
+    def __init__(
+        self,
+        folder: str,
+        positions: Tensor,
+        labels: Tensor,
+        channels: int,
+        transform: nn.Module | None,
+        digest: str,
+        max_cache_size: str,
+        cache_dir: str | None = None,
+    ) -> None:
+        self.folder, self.channels, self.transform = folder, channels, transform
+        self.cache_dir = cache_dir
+        self.indices, self.targets = positions, labels[positions]
+        self.max_cache_size = max_cache_size
+        self._digest = hashlib.md5(f"{digest}:".encode() + positions.numpy().tobytes()).hexdigest()
+        self._data: Any = None  # opened in the process that reads (each loader worker)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_data": None}
+
+    def digest(self) -> str:
+        return self._digest
+
+    def data(self) -> Any:
+        if self._data is None:
+            self._data = litdata().StreamingDataset(
+                self.folder, max_cache_size=self.max_cache_size, cache_dir=self.cache_dir
+            )
+            if "://" in self.folder:
+                # Remote: whole shards are downloaded into the bounded cache and read from
+                # there, rather than one ranged GET per sample (LitData's default for reads
+                # by index). Pinned litdata: its cache is built as __getitem__ builds it.
+                from litdata.utilities.env import _WorkerEnv
+
+                allow_plain_http()
+                self._data.cache = self._data._create_cache(worker_env=_WorkerEnv.detect())
+                self._data.on_demand_bytes = False
+        return self._data
+
+    def raw(self, rows: list[int]) -> Tensor:
+        """``uint8 [B, C, H, W]`` of the samples at ``rows`` of this split."""
+        data = self.data()
+        images = []
+        for row in rows:
+            sample = data[int(self.indices[row])]
+            images.append(decode(sample["image"], self.channels))
+        return torch.from_numpy(np.stack(images))
+
+    @property
+    def inputs(self) -> "LazyImages":
+        return LazyImages(self)
+
+    def __getitems__(self, rows: list[int]) -> Batch:
+        inputs = self.raw(rows)
+        if self.transform is not None:
+            inputs = self.transform(inputs)
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        return Batch(inputs, self.targets[idx], self.indices[idx])
+
+    def __getitem__(self, i: int) -> Batch:
+        return Batch(*(part[0] for part in self.__getitems__([i])))
+
+
+class LazyImages:
+    """``split.inputs[i]`` or ``[a:b]`` as the in-memory splits give them, decoded on demand."""
+
+    def __init__(self, split: ShardSplit) -> None:
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, key: int | slice) -> Tensor:
+        if isinstance(key, slice):
+            return self.split.raw(list(range(len(self.split)))[key])
+        return self.split.raw([int(key)])[0]
+
+
+class ShardDataModule(ImageDataModule):
+    """Classes, image shape and normalisation come from the shards' ``manifest.json``."""
+
+    def __init__(
+        self,
+        name: str,
+        root: str,
+        batch_size: int,
+        val_size: int | None = None,
+        num_workers: int = 0,
+        split_seed: int = 12345,
+        shuffle_seed: int = 0,
+        pin_memory: bool = False,
+        device_resident: bool = False,
+        augment: dict | None = None,
+        max_cache_size: str = "10GB",
+        cache_dir: str | None = None,
+        partitions: int | None = None,
+    ) -> None:
+        if device_resident:
+            raise DataError("data=shards streams from disk; set data.device_resident=false")
+        check_augment(augment)
+        super().__init__()
+        self.save_hyperparameters(logger=False)
+        self.root = str(root)
+        local = "://" not in self.root
+        if local:
+            self.root = str(Path(root).expanduser().resolve())
+        self.source = self.root
+        manifest = self._read_manifest(local)
+        self.manifest = manifest
+        self.classes = tuple(manifest["classes"])
+        self.image_shape = tuple(manifest["image_shape"])
+        self.mean, self.std = tuple(manifest["mean"]), tuple(manifest["std"])
+        if val_size is None:  # the source dataset's: the same validation samples
+            self.hparams.val_size = manifest.get("val_size", 0)
+
+    def _read_manifest(self, local: bool) -> dict[str, Any]:
+        if local:
+            path = Path(self.root) / "manifest.json"
+            if not path.is_file():
+                raise DataError(
+                    f"{path} not found: data.root must be a folder written by "
+                    "`python -m src.prepare out=DIR`"
+                )
+            manifest = json.loads(path.read_text())
+        else:
+            manifest = json.loads(self._remote_bytes("manifest.json"))
+        missing = sorted({"train", "test"} - set(manifest.get("complete", [])))
+        if missing:
+            raise DataError(
+                f"{self.root}: the conversion of {', '.join(missing)} did not finish; rerun "
+                "the same `python -m src.prepare` command to complete it"
+            )
+        return manifest
+
+    def _remote_bytes(self, name: str) -> bytes:
+        """A small file beside the shards on S3 (``s3://bucket/prefix``)."""
+        import boto3
+
+        bucket, _, prefix = self.root.removeprefix("s3://").partition("/")
+        key = f"{prefix.rstrip('/')}/{name}" if prefix else name
+        return boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def _labels(self, split: str) -> Tensor:
+        name = f"{split}_labels.npy"
+        if "://" in self.root:
+            data = np.load(io.BytesIO(self._remote_bytes(name)))
+        else:
+            data = np.load(Path(self.root) / name)
+        return torch.from_numpy(data).long()
+
+    def _split(self, split: str, positions: Tensor, labels: Tensor) -> ShardSplit:
+        return ShardSplit(
+            f"{self.root}/{split}",
+            positions,
+            labels,
+            self.image_shape[0],
+            self.transform(),
+            self.manifest["identity"]["digests"][split],
+            self.hparams.max_cache_size,
+            self.hparams.cache_dir,
+        )
+
+    def read(self, split: str) -> tuple[Tensor, Tensor]:
+        """Every image decoded (e.g. to convert shards again); training does not call it."""
+        labels = self._labels(split)
+        whole = self._split(split, torch.arange(len(labels)), labels)
+        return whole.raw(list(range(len(labels)))), labels
+
+    def _load_train(self) -> None:
+        if self.train_set is not None:
+            return
+        labels = self._labels("train")
+        n, val_size = len(labels), self.hparams.val_size
+        if not 0 < val_size < n:
+            raise DataError(
+                f"data.val_size={val_size} must be in (0, {n}) for {n} training samples"
+            )
+        # The carve-out of every dataset (src/template/data.py): the same validation samples.
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.split_seed))
+        self.val_set = self._split("train", perm[:val_size], labels)
+        self.train_set = self._split("train", perm[val_size:], labels)
+
+    def train_dataloader(self) -> DataLoader:
+        """``data.partitions=C``: each rank reads only its partitions' shards
+        (:mod:`src.task.data.partitions`); otherwise the project's global order."""
+        count = self.hparams.get("partitions")
+        if not count:
+            return super().train_dataloader()
+        if "chunks" not in self.manifest:
+            raise DataError(f"{self.root}: convert again with src.prepare for data.partitions")
+        parts = partition_rows(self.manifest["chunks"]["train"], count, self.train_set.indices)
+        settings = check_augment(self.hparams.get("augment"))
+        seed = self.hparams.shuffle_seed
+        sampler = PartitionedBatchSampler(
+            self.train_set, *self._world(), self.hparams.batch_size, seed, parts,
+            tag_epoch=settings is not None,
+        )  # fmt: skip
+        sampler.resume_at(*resume_position(self.trainer))  # before any worker fetches
+        data = self.train_set
+        if settings is not None:
+            data = AugmentedSplit(data, settings, seed, self.mean, self.std)
+        return self._loader(data, sampler)
+
+    def _load_test(self) -> None:
+        if self.test_set is None:
+            labels = self._labels("test")
+            self.test_set = self._split("test", torch.arange(len(labels)), labels)

@@ -1,0 +1,413 @@
+"""Data at scale: ``src.prepare`` writes LitData shards, ``data=shards`` streams them with the
+project's samplers (the same global batches for any world size and loader workers, exact eval,
+exact resume), ``data.augment`` is a function of (seed, epoch, index), and ``src.predict
+images=...`` classifies new files. Real processes on tiny generated data."""
+
+import csv
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from src.task.data.augment import AugmentedSplit, EpochTaggedSampler, check_augment
+from src.task.data.mnist import DATASETS, MNISTDataModule, load_split
+from src.task.data.partitions import PartitionedBatchSampler, partition_rows
+from src.task.data.shards import ShardDataModule
+from src.template.data import DataError, TensorSplit, keep_batch
+from tests.conftest import (
+    N_TEST,
+    N_TRAIN,
+    PROJECT,
+    VAL_SIZE,
+    read_metrics,
+    run_entry,
+    tiny_overrides,
+)
+from tests.idx_data import make_dataset
+from tests.test_distributed import final_weights
+from tests.test_train import assert_same_tensors
+
+RECORDER = PROJECT / "tests" / "record_batches"
+AUGMENT = "data.augment={crop_scale:[0.6,1.0],flip:true,jitter:0.3}"
+# Networks without per-rank state (BatchNorm statistics, dropout masks), as test_distributed.
+SMALL = ["model.net.batch_norm=false", "model.net.dropout=0", "logger=none"]
+
+
+def prepare(data_root: Path, out: Path, cwd: Path, *more: str, check: bool = True):
+    args = [f"data.root={data_root}", "data.download=false", f"out={out}", "chunk_bytes=20KB"]
+    return run_entry("prepare", *args, *more, "hydra.run.dir=prepare", cwd=cwd, check=check)
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "tiny"
+    prepare(tiny_root, out, out.parent)
+    return out
+
+
+def shard_overrides(tiny_root: Path, shards: Path) -> list[str]:
+    """The tiny training job of conftest, reading the shards of the same data."""
+    source = [o for o in tiny_overrides(tiny_root) if not o.startswith("data.root")]
+    source.remove("data.download=false")
+    return ["data=shards", f"data.root={shards}", *source]
+
+
+def source_split(tiny_root: Path, train: bool) -> TensorSplit:
+    return TensorSplit(*load_split(tiny_root, DATASETS["mnist"], train=train))
+
+
+def test_prepare_writes_what_the_source_holds_and_refuses_other_data(
+    shards: Path, tiny_root: Path, tmp_path: Path
+) -> None:
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert manifest["counts"] == {"train": N_TRAIN, "test": N_TEST}
+    assert manifest["complete"] == ["train", "test"] and manifest["classes"] == list("0123456789")
+    assert len(list((shards / "train").glob("chunk-*.bin"))) > 2  # several shards
+    # The shards decode to exactly the source's pixels and labels, in index order.
+    dm = ShardDataModule("shards", str(shards), batch_size=32, val_size=VAL_SIZE)
+    for split, train in (("train", True), ("test", False)):
+        decoded = TensorSplit(*dm.read(split))
+        assert decoded.digest() == source_split(tiny_root, train).digest()
+        assert manifest["identity"]["digests"][split] == decoded.digest()
+    # Rerun: nothing to do. Other data into the same folder: one line, nothing written.
+    again = prepare(tiny_root, shards, tmp_path)
+    assert "train: already converted" in again.stdout
+    other = tmp_path / "other"
+    make_dataset(other, n_train=50, n_test=10, seed=1, learnable=True)
+    before = (shards / "manifest.json").read_text()
+    refused = prepare(other, shards, tmp_path, check=False)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "holds shards of other data" in refused.stderr + refused.stdout
+    assert (shards / "manifest.json").read_text() == before
+
+
+def test_an_interrupted_conversion_continues_where_it_stopped(tmp_path: Path) -> None:
+    data, out = tmp_path / "data", tmp_path / "out"
+    make_dataset(data, n_train=6000, n_test=10, seed=2, learnable=True)
+    args = [f"data.root={data}", "data.download=false", f"out={out}", "chunk_bytes=10KB"]
+    command = [sys.executable, "-m", "src.prepare", *args, "num_workers=1", "hydra.run.dir=p"]
+    proc = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "train" / "chunk-0-5.bin").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no shard written"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert json.loads((out / "manifest.json").read_text())["complete"] == []
+    with pytest.raises(DataError, match="did not finish; rerun"):
+        ShardDataModule("shards", str(out), batch_size=8, val_size=10)
+    resumed = run_entry("prepare", *args, "hydra.run.dir=p2", cwd=tmp_path)
+    assert "Resuming from last saved checkpoint" in resumed.stdout + resumed.stderr
+    dm = ShardDataModule("shards", str(out), batch_size=8, val_size=10)
+    source = TensorSplit(*load_split(data, DATASETS["mnist"], train=True))
+    assert TensorSplit(*dm.read("train")).digest() == source.digest()
+
+
+@pytest.mark.slow
+def test_shards_train_as_the_source_and_the_same_global_batches_on_two_ranks(
+    shards: Path, tiny_root: Path, tmp_path: Path
+) -> None:
+    """IDX data vs its shards (1 rank): identical metrics. Shards on 1 rank vs 2 ranks with 2
+    loader workers each: the same global batches, the same weights up to float summation order;
+    then evaluation of that checkpoint on 2 ranks equals 1 rank."""
+    env = {"PYTHONPATH": f"{RECORDER}{os.pathsep}{PROJECT}"}
+    jobs = {
+        "idx": [*tiny_overrides(tiny_root), "trainer.max_epochs=1"],
+        "shards1": [*shard_overrides(tiny_root, shards), "trainer.max_epochs=1"],
+        "shards2": [
+            *shard_overrides(tiny_root, shards),
+            "trainer.max_epochs=1",
+            "data.num_workers=2",
+        ],
+    }
+    jobs["shards2"] += ["strategy=ddp", "devices=2"]
+    for name, args in jobs.items():
+        record = tmp_path / f"{name}.jsonl"
+        run_entry(
+            "train", *args, *SMALL, f"hydra.run.dir={name}", cwd=tmp_path,
+            env={**env, "RECORD_BATCHES": str(record)},
+        )  # fmt: skip
+    assert read_metrics(tmp_path / "idx") == read_metrics(tmp_path / "shards1")
+
+    one, two = (
+        global_batches(tmp_path / "shards1.jsonl"),
+        global_batches(tmp_path / "shards2.jsonl"),
+    )
+    assert one == two and len(one) == (N_TRAIN - VAL_SIZE) // 32
+    assert_weights_close(tmp_path / "shards1", tmp_path / "shards2")
+
+    ckpt = tmp_path / "shards1" / "checkpoints" / "last.ckpt"
+    evals = {}
+    for devices in (1, 2):
+        ddp = ["strategy=ddp", f"devices={devices}"] if devices > 1 else []
+        run_dir = tmp_path / f"eval{devices}"
+        run_entry(
+            "eval", f"ckpt_path={ckpt}", "data=shards", f"data.root={shards}",
+            "data.num_workers=1", "logger=none", *ddp, f"hydra.run.dir={run_dir}", cwd=tmp_path,
+        )  # fmt: skip
+        evals[devices] = read_metrics(run_dir)
+    assert evals[1]["test/samples"] == evals[2]["test/samples"] == N_TEST
+    assert evals[1]["test/acc"] == evals[2]["test/acc"]
+    assert evals[1]["test/loss"] == pytest.approx(evals[2]["test/loss"], rel=1e-5)
+
+
+def global_batches(record: Path) -> dict[tuple[int, int], list[int]]:
+    """Each (epoch, batch)'s samples over all ranks, from ``tests/record_batches``."""
+    batches = defaultdict(list)
+    for line in record.read_text().splitlines():
+        step = json.loads(line)
+        batches[step["epoch"], step["batch"]] += step["indices"]
+    return {key: sorted(indices) for key, indices in batches.items()}
+
+
+def assert_weights_close(a: Path, b: Path) -> None:
+    expected, actual = final_weights(a), final_weights(b)
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_augmented_shards_resumed_mid_epoch_with_workers_equal_the_uninterrupted_job(
+    shards: Path, tiny_root: Path, tmp_path: Path
+) -> None:
+    args = [*shard_overrides(tiny_root, shards), AUGMENT, *SMALL, "trainer.max_epochs=2"]
+    run_entry("train", *args, "hydra.run.dir=whole", cwd=tmp_path)
+    workers = [*args, "data.num_workers=2"]
+    run_entry("train", *workers, "+trainer.max_steps=14", "hydra.run.dir=cut", cwd=tmp_path)
+    last = tmp_path / "cut" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 14  # mid-epoch 2
+    run_entry("train", *workers, f"ckpt_path={last}", "hydra.run.dir=resumed", cwd=tmp_path)
+    expected = torch.load(tmp_path / "whole/checkpoints/last.ckpt", weights_only=True)
+    resumed = torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=True)
+    for part in ("epoch", "global_step", "state_dict", "optimizer_states"):
+        assert_same_tensors(resumed[part], expected[part], part)
+    whole, again = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "resumed")
+    assert again == pytest.approx(whole, rel=1e-5, abs=1e-6)
+
+
+def augmented_batches(split: TensorSplit, world: int, workers: int, epoch: int) -> torch.Tensor:
+    """The augmented samples of every global batch of ``epoch``, rank by rank concatenated."""
+    settings = check_augment({"crop_scale": [0.5, 1.0], "flip": True, "jitter": 0.4})
+    data = AugmentedSplit(split, settings, seed=3, mean=[0.5], std=[0.25])
+    per_rank = []
+    for rank in range(world):
+        sampler = EpochTaggedSampler(split, world, rank, global_batch_size=8, seed=3)
+        sampler.set_epoch(epoch)
+        loader = DataLoader(
+            data, batch_size=8 // world, sampler=sampler, num_workers=workers,
+            collate_fn=keep_batch,
+        )  # fmt: skip
+        per_rank.append([batch.inputs for batch in loader])
+    return torch.cat([torch.cat(step) for step in zip(*per_rank, strict=True)])
+
+
+def test_augmentation_is_a_function_of_seed_epoch_and_sample(tiny_root: Path) -> None:
+    images, labels = load_split(tiny_root, DATASETS["mnist"], train=False)
+    from src.task.data.images import Normalize
+
+    split = TensorSplit(images[:40], labels[:40], transform=Normalize([0.5], [0.25]))
+    one = augmented_batches(split, world=1, workers=0, epoch=1)
+    assert torch.equal(one, augmented_batches(split, world=2, workers=2, epoch=1))
+    assert torch.equal(one, augmented_batches(split, world=4, workers=0, epoch=1))
+    assert not torch.equal(one, augmented_batches(split, world=1, workers=0, epoch=2))
+    plain = torch.cat([split.__getitems__(list(range(40))).inputs])
+    assert one.shape == (40, 1, 28, 28) and not torch.equal(one.sort(0)[0], plain.sort(0)[0])
+    with pytest.raises(DataError, match="unknown keys"):
+        check_augment({"rotate": 10})
+
+
+def test_evaluation_loaders_are_not_augmented(tiny_root: Path) -> None:
+    settings = {"name": "mnist", "root": str(tiny_root), "download": False, "batch_size": 32}
+    dm = MNISTDataModule(**settings, val_size=VAL_SIZE, augment={"flip": True, "jitter": 0.5})
+    dm.setup("fit")
+    batch = next(iter(dm.val_dataloader()))
+    assert torch.equal(batch.inputs, dm.val_set.__getitems__(list(range(32))).inputs)
+    assert isinstance(dm.train_dataloader().dataset, AugmentedSplit)
+
+
+@pytest.mark.slow
+def test_predict_classifies_a_folder_of_new_images(
+    shards: Path, tiny_root: Path, tmp_path: Path
+) -> None:
+    run_entry(
+        "train", *shard_overrides(tiny_root, shards), "logger=none", "hydra.run.dir=t", cwd=tmp_path
+    )
+    images, labels = load_split(tiny_root, DATASETS["mnist"], train=False)
+    folder = tmp_path / "new"
+    for i in range(30):
+        path = folder / ("nested" if i % 2 else "") / f"{i:03d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(images[i, 0].numpy()).save(path)
+    ckpt = tmp_path / "t" / "checkpoints" / "last.ckpt"
+    run_entry("predict", f"ckpt_path={ckpt}", f"images={folder}", "hydra.run.dir=p", cwd=tmp_path)
+    with (tmp_path / "p" / "predictions_images.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    paths = [r["path"] for r in rows]
+    assert paths == sorted(paths) and {Path(p).name for p in paths} == {
+        f"{i:03d}.png" for i in range(30)
+    }
+    assert all(0 < float(r["confidence"]) <= 1 for r in rows)
+    right = sum(int(r["class_name"]) == int(labels[int(Path(r["path"]).stem)]) for r in rows)
+    assert right >= 27, rows  # the tiny data is learnable: test accuracy is ~1
+    missing = run_entry(
+        "predict", f"ckpt_path={ckpt}", f"images={folder}/*.jpg", "hydra.run.dir=q",
+        cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert missing.returncode == 1 and "no images" in missing.stderr + missing.stdout
+
+
+def chunk_of(manifest: dict, positions: list[int]) -> set[int]:
+    ends = torch.tensor(manifest["chunks"]["train"]).cumsum(0)
+    return set(torch.searchsorted(ends, torch.tensor(positions), right=True).tolist())
+
+
+def test_partitions_give_each_rank_its_own_shards_and_every_world_the_same_batches(
+    shards: Path,
+) -> None:
+    dm = ShardDataModule("shards", str(shards), batch_size=32, val_size=VAL_SIZE, partitions=4)
+    dm.load("fit")
+    split, manifest = dm.train_set, dm.manifest
+    parts = partition_rows(manifest["chunks"]["train"], 4, split.indices)
+    batches, touched = {}, {}
+    for world in (1, 2, 4):
+        samplers = [
+            PartitionedBatchSampler(split, world, rank, 32, seed=5, parts=parts)
+            for rank in range(world)
+        ]
+        for sampler in samplers:
+            sampler.set_epoch(1)
+        shares = [torch.tensor(list(s)).view(len(s) // (32 // world), -1) for s in samplers]
+        batches[world] = [sorted(torch.cat(step).tolist()) for step in zip(*shares, strict=True)]
+        touched[world] = [
+            chunk_of(manifest, split.indices[share.flatten()].tolist()) for share in shares
+        ]
+    assert batches[1] == batches[2] == batches[4] and len(batches[1]) >= 8
+    all_chunks = set(range(len(manifest["chunks"]["train"])))
+    for world in (2, 4):  # disjoint shards per rank, together all of them
+        assert set().union(*touched[world]) == touched[1][0] == all_chunks
+        assert sum(len(t) for t in touched[world]) == len(all_chunks)
+    # Resumed after 3 batches: the rest of the epoch, and another epoch is another order.
+    full = PartitionedBatchSampler(split, 2, 1, 32, seed=5, parts=parts)
+    full.set_epoch(1)
+    resumed = PartitionedBatchSampler(split, 2, 1, 32, seed=5, parts=parts)
+    resumed.resume_at(1, 3)
+    assert list(resumed) == list(full)[3 * 16 :]
+    full.set_epoch(2)
+    assert list(full) != list(resumed)
+    with pytest.raises(DataError, match="multiple of the world size 3"):
+        PartitionedBatchSampler(split, 3, 0, 33, seed=5, parts=parts)
+
+
+@pytest.mark.slow
+def test_partitioned_shards_train_the_same_on_one_and_two_ranks(
+    shards: Path, tiny_root: Path, tmp_path: Path
+) -> None:
+    args = [*shard_overrides(tiny_root, shards), *SMALL, "trainer.max_epochs=1"]
+    args += ["data.partitions=2", AUGMENT]
+    env = {"PYTHONPATH": f"{RECORDER}{os.pathsep}{PROJECT}"}
+    for name, more in (("one", []), ("two", ["strategy=ddp", "devices=2", "data.num_workers=1"])):
+        run_entry(
+            "train", *args, *more, f"hydra.run.dir={name}", cwd=tmp_path,
+            env={**env, "RECORD_BATCHES": str(tmp_path / f"{name}.jsonl")},
+        )  # fmt: skip
+    one, two = global_batches(tmp_path / "one.jsonl"), global_batches(tmp_path / "two.jsonl")
+    assert one == two and len(one) >= 8
+    assert_weights_close(tmp_path / "one", tmp_path / "two")
+
+
+@pytest.fixture
+def s3_server(tmp_path: Path):
+    """A local moto S3 server (started and stopped here) and the environment that points boto3
+    and LitData at it."""
+    server = shutil.which("moto_server")
+    if server is None:
+        pytest.skip("moto_server not found (pip install 'moto[server]')")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [server, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "moto did not start"
+                time.sleep(0.1)
+        yield env
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
+def upload(folder: Path, bucket: str, prefix: str, env: dict[str, str]) -> str:
+    import boto3
+
+    s3 = boto3.client(
+        "s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_DEFAULT_REGION"],
+        aws_access_key_id="test", aws_secret_access_key="test",
+    )  # fmt: skip
+    s3.create_bucket(Bucket=bucket)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder)}")
+    return f"s3://{bucket}/{prefix}"
+
+
+@pytest.mark.slow
+def test_shards_stream_from_s3_through_a_bounded_cache(
+    shards: Path, tiny_root: Path, tmp_path: Path, s3_server: dict[str, str], monkeypatch
+) -> None:
+    root = upload(shards, "data", "tiny", s3_server)
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    cache = tmp_path / "cache"
+    remote = ShardDataModule(
+        "shards", root, batch_size=32, val_size=VAL_SIZE, num_workers=2,
+        cache_dir=str(cache), max_cache_size="1MB",
+    )  # fmt: skip
+    local = ShardDataModule("shards", str(shards), batch_size=32, val_size=VAL_SIZE)
+    for dm in (remote, local):
+        dm.setup("fit")
+    batches = [list(dm.train_dataloader())[:4] for dm in (remote, local)]
+    for got, expected in zip(*batches, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert list(cache.rglob("chunk-*.bin")), "shards were not cached"
+    # A real training job reading the bucket, with the bounded cache.
+    args = [*shard_overrides(tiny_root, shards), "trainer.max_epochs=1", "logger=none"]
+    args = [a for a in args if not a.startswith("data.root")] + [f"data.root={root}"]
+    args += [f"data.cache_dir={tmp_path / 'job-cache'}", "data.max_cache_size=1MB"]
+    run_entry("train", *args, "hydra.run.dir=s3", cwd=tmp_path, env=s3_server)
+    assert read_metrics(tmp_path / "s3")["test/samples"] == N_TEST
