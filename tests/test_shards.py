@@ -6,7 +6,6 @@ images=...`` classifies new files. Real processes on tiny generated data."""
 import csv
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -339,9 +338,7 @@ def test_partitioned_shards_train_the_same_on_one_and_two_ranks(
 def s3_server(tmp_path: Path):
     """A local moto S3 server (started and stopped here) and the environment that points boto3
     and LitData at it."""
-    server = shutil.which("moto_server")
-    if server is None:
-        pytest.skip("moto_server not found (pip install 'moto[server]')")
+    server = str(Path(sys.executable).parent / "moto_server")  # a dev dependency: moto[server]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
