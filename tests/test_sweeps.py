@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 from src.template.distributed import hparams_digest
-from tests.conftest import PROJECT, read_metrics, run_entry, tiny_overrides
+from tests.conftest import N_TRAIN, PROJECT, read_metrics, run_entry, tiny_overrides
 from tests.test_resume import SIGNAL_AT_STEP
 from tests.test_train import assert_same_tensors
 
@@ -215,3 +215,18 @@ def test_a_sweep_folder_of_another_sweep_is_refused_in_one_line(
     (line,) = other.stderr.strip().splitlines()
     assert "holds another sweep" in line and "seed=1" in line, line
     assert json.loads((tmp_path / "s" / "0" / "sweep_job.json").read_text())["result"] is not None
+
+
+def test_a_k_fold_sweep_validates_on_each_fold_once_and_sums_them_up(
+    tiny_root: Path, tmp_path: Path
+) -> None:
+    run_entry("train", "-m", *sweep_overrides(tiny_root), "data.folds=3", "data.fold=0,1,2",
+              "hydra.sweep.dir=folds", cwd=tmp_path)  # fmt: skip
+    metrics = [read_metrics(tmp_path / "folds" / str(job)) for job in range(3)]
+    assert sum(m["val/samples"] for m in metrics) == N_TRAIN, "every training sample validates once"
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+    (parent,) = [run for run in runs if "sweep.parent" in run.data.tags]
+    values = [m["val/acc"] for m in metrics]
+    assert parent.data.metrics["val/acc_mean"] == pytest.approx(statistics.mean(values))
+    assert parent.data.metrics["val/acc_std"] == pytest.approx(statistics.stdev(values))

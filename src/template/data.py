@@ -108,13 +108,31 @@ def fitting_batch(samples: int) -> int:
     return 1 << (max(samples, 1).bit_length() - 1)
 
 
+def carve_validation(n: int, hparams: Any) -> tuple[Tensor, Tensor]:
+    """(validation, training) indices of an official training split of ``n`` samples: a
+    permutation fixed by ``split_seed``, of which validation is the first ``val_size``, or with
+    ``folds=K``, fold ``fold`` of K equal parts (k-fold cross-validation: a sweep over
+    ``data.fold=0,...,K-1``)."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(hparams.split_seed))
+    folds, fold = hparams.get("folds"), hparams.get("fold") or 0
+    if not folds:
+        return perm[: hparams.val_size], perm[hparams.val_size :]
+    if not 2 <= folds <= n or not 0 <= fold < folds:
+        raise DataError(
+            f"data.folds={folds} data.fold={fold}: use 2 <= folds <= {n} and 0 <= fold < folds, "
+            "e.g. data.folds=5 data.fold=0,1,2,3,4 (a sweep)"
+        )
+    start, end = n * fold // folds, n * (fold + 1) // folds
+    return perm[start:end], torch.cat([perm[:start], perm[end:]])
+
+
 class TensorDataModule(LightningDataModule):
     """Train and validation carved from the official train split, test is the test split; the
     loaders give exact results for any number of devices. Subclasses implement :meth:`read`."""
 
     # Config keys that say what the data is (not where it is or how it is loaded): eval and
     # predict take them from the checkpoint, and resuming with other values is refused.
-    CONTENT_KEYS: tuple[str, ...] = ("name", "val_size", "split_seed")
+    CONTENT_KEYS: tuple[str, ...] = ("name", "val_size", "split_seed", "folds", "fold")
 
     source: str
 
@@ -190,7 +208,7 @@ class TensorDataModule(LightningDataModule):
             return
         inputs, targets = self._checked("train")
         n, val_size = len(targets), self.hparams.val_size
-        if not 0 < val_size < n:
+        if not self.hparams.get("folds") and not 0 < val_size < n:
             val = max(1, n // 10)  # suggested, with a batch size that fits what it leaves
             fix = f"; use e.g. data.val_size={val}" if n > 1 else ""
             if n > 1 and self.hparams.batch_size > n - val:
@@ -198,8 +216,7 @@ class TensorDataModule(LightningDataModule):
             raise DataError(
                 f"data.val_size={val_size} must be in (0, {n}) for {n} training samples{fix}"
             )
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.split_seed))
-        val_idx, train_idx = perm[:val_size], perm[val_size:]
+        val_idx, train_idx = carve_validation(n, self.hparams)
         transform = self.transform()
         self.val_set = TensorSplit(inputs[val_idx], targets[val_idx], val_idx, transform)
         self.train_set = TensorSplit(inputs[train_idx], targets[train_idx], train_idx, transform)

@@ -23,7 +23,7 @@ from src.template.sweeps import sweep_command, sweep_job, varied_overrides
 
 PARENT_FILE = "mlflow_parent_run.json"  # in the sweep folder: the parent run and its store
 JOBS_FILE = "jobs.csv"  # the parent's table of every job
-SEEDS_FILE = "seeds.csv"  # per group of jobs that differ only in seed: mean, std, 95% CI
+SEEDS_FILE = "seeds.csv"  # per group of jobs that differ only in seed or fold: mean, std, 95% CI
 
 
 def parent_run(cfg: DictConfig) -> str | None:
@@ -137,11 +137,15 @@ def write_summary(
     client.set_terminated(run_id, "FINISHED")  # the summary of every job ended so far
 
 
+REPEATS = ("seed=", "fold=")  # jobs that differ only in these repeat one experiment
+
+
 def seed_groups(jobs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Finished jobs grouped by their overrides other than ``seed``; groups of two or more."""
+    """Finished jobs grouped by their overrides other than ``seed`` (or the k-fold ``fold``);
+    groups of two or more."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for job in jobs:
-        others = [o for o in job["overrides"].split() if not o.startswith("seed=")]
+        others = [o for o in job["overrides"].split() if not o.startswith(REPEATS)]
         if len(others) < len(job["overrides"].split()):  # it varies the seed
             groups.setdefault(" ".join(others) or "(all)", []).append(job)
     return {group: members for group, members in groups.items() if len(members) > 1}

@@ -94,6 +94,8 @@ class ImageFolderDataModule(ImageDataModule):
         pin_memory: bool = False,
         device_resident: bool = False,
         augment: dict | None = None,
+        folds: int | None = None,
+        fold: int = 0,
     ) -> None:
         if channels not in MODES:
             raise DataError(f"data.channels={channels} must be 1 (grayscale) or 3 (RGB)")

@@ -240,6 +240,8 @@ class MNISTDataModule(ImageDataModule):
         pin_memory: bool = False,
         device_resident: bool = False,
         augment: dict | None = None,
+        folds: int | None = None,
+        fold: int = 0,
     ) -> None:
         if name not in DATASETS:
             raise DataError(f"data.name={name!r} is unknown; valid names: {', '.join(DATASETS)}")

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from src.task.data.augment import AugmentedSplit, check_augment
 from src.task.data.images import ImageDataModule
 from src.task.data.partitions import PartitionedBatchSampler, partition_rows
-from src.template.data import Batch, DataError
+from src.template.data import Batch, DataError, carve_validation
 from src.template.resume import resume_position
 
 MODES = {1: "L", 3: "RGB"}
@@ -161,6 +161,8 @@ class ShardDataModule(ImageDataModule):
         max_cache_size: str = "10GB",
         cache_dir: str | None = None,
         partitions: int | None = None,
+        folds: int | None = None,
+        fold: int = 0,
     ) -> None:
         if device_resident:
             raise DataError("data=shards streams from disk; set data.device_resident=false")
@@ -238,14 +240,14 @@ class ShardDataModule(ImageDataModule):
             return
         labels = self._labels("train")
         n, val_size = len(labels), self.hparams.val_size
-        if not 0 < val_size < n:
+        if not self.hparams.get("folds") and not 0 < val_size < n:
             raise DataError(
                 f"data.val_size={val_size} must be in (0, {n}) for {n} training samples"
             )
         # The carve-out of every dataset (src/template/data.py): the same validation samples.
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.split_seed))
-        self.val_set = self._split("train", perm[:val_size], labels)
-        self.train_set = self._split("train", perm[val_size:], labels)
+        val_idx, train_idx = carve_validation(n, self.hparams)
+        self.val_set = self._split("train", val_idx, labels)
+        self.train_set = self._split("train", train_idx, labels)
 
     def train_dataloader(self) -> DataLoader:
         """``data.partitions=C``: each rank reads only its partitions' shards
