@@ -1,14 +1,19 @@
 """``sky/train.yaml``: its ``run:`` section, run on this host as SkyPilot runs it on 2 nodes."""
 
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 import yaml
 
 from tests.conftest import PROJECT, assert_rank_logs, assert_same_metrics, only_run, tiny_overrides
 from tests.test_distributed import free_port, launch_together
+from tests.test_resume import SIGNAL_AT_STEP
 
 TASK = PROJECT / "sky" / "train.yaml"
 
@@ -19,15 +24,10 @@ def test_task_file_asks_for_what_the_readme_says() -> None:
     assert task["setup"] == 'pip install -e ".[dev]" -c constraints.txt'
 
 
-@pytest.mark.slow
-def test_run_section_on_two_nodes_matches_two_devices(
-    two_devices: dict[str, float], tiny_root: Path, tmp_path: Path
-) -> None:
-    task = yaml.safe_load(TASK.read_text())
-    train_args = [*tiny_overrides(tiny_root), "trainer.max_epochs=1"]
+def node_envs(task: dict, train_args: list[str], extra: dict[str, str] | None = None) -> list:
+    """What SkyPilot sets on each node (here both "nodes" are this host, 1 process each)."""
     port = str(free_port())
-    # What SkyPilot sets on each node (here both "nodes" are this host, 1 process each).
-    envs = [
+    return [
         {
             **{key: str(value) for key, value in task["envs"].items()},
             "TRAIN_ARGS": " ".join(train_args),
@@ -37,9 +37,18 @@ def test_run_section_on_two_nodes_matches_two_devices(
             "SKYPILOT_NUM_NODES": "2",
             "SKYPILOT_NUM_GPUS_PER_NODE": "1",
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            **(extra or {}),
         }
         for node in (0, 1)
     ]
+
+
+@pytest.mark.slow
+def test_run_section_on_two_nodes_matches_two_devices(
+    two_devices: dict[str, float], tiny_root: Path, tmp_path: Path
+) -> None:
+    task = yaml.safe_load(TASK.read_text())
+    envs = node_envs(task, [*tiny_overrides(tiny_root), "trainer.max_epochs=1"])
     command = ["bash", "-euc", task["run"]]
     launch_together([command, command], envs, cwd=tmp_path)
     run_dir = tmp_path / "outputs/train/runs/sky"
@@ -47,3 +56,42 @@ def test_run_section_on_two_nodes_matches_two_devices(
     assert_rank_logs(run_dir, node=1, local=0)
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
+
+
+@pytest.mark.slow
+def test_a_preempted_run_section_run_again_continues_exactly(
+    two_devices: dict[str, float], tiny_root: Path, tmp_path: Path
+) -> None:
+    """A preemption gives no signal: every process of both nodes is SIGKILLed mid-epoch, after a
+    step checkpoint; SkyPilot's recovery runs the same section again, which continues."""
+    task = yaml.safe_load(TASK.read_text())
+    args = [*tiny_overrides(tiny_root), "trainer.max_epochs=1",
+            "callbacks.checkpoint.every_n_train_steps=3"]  # fmt: skip
+    command = ["bash", "-euc", task["run"]]
+    slow = {"PYTHONPATH": os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)]),
+            "SLEEP_PER_STEP": "0.5"}  # fmt: skip
+    last = tmp_path / "outputs/train/runs/sky/checkpoints/last.ckpt"
+    nodes = [
+        subprocess.Popen(command, cwd=tmp_path, env={**os.environ, **env},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+        for env in node_envs(task, args, slow)
+    ]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not last.is_file():
+            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes)
+            time.sleep(0.1)
+    finally:  # every process of each node: bash, torchrun and its workers (their own sessions)
+        tree = [
+            p for n in nodes for p in [psutil.Process(n.pid), *psutil.Process(n.pid).children(True)]
+        ]
+        for process in tree:
+            process.kill()
+        psutil.wait_procs(tree, timeout=30)
+    step = torch.load(last, weights_only=True)["global_step"]
+    assert 0 < step < 10, "killed mid-epoch, after a step checkpoint"
+    launch_together([command, command], node_envs(task, args), cwd=tmp_path)
+    assert_same_metrics(tmp_path / "outputs/train/runs/sky", two_devices)
+    _, run = only_run(tmp_path / "mlflow.db")
+    assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
