@@ -1,14 +1,18 @@
-"""Every shell command the README and the ``docs/`` pages show that runs an entry point, run as
-typed on tiny data; and every relative link of those pages, checked.
+"""Every shell command the README and the ``docs/`` pages show, run as typed on tiny data or
+skipped with the reason; and every relative link of those pages, checked.
 
 The commands are read from README.md and docs/*.md when the tests are collected: each fenced
 ``bash``, ``sh``, ``shell`` or ``console`` block is split into commands, and every distinct command
-that runs ``src.train``, ``src.eval`` or ``src.predict`` becomes one test, whose id names the pages
-that show it (a command shown on several pages runs once). A new command in the README or a docs
-page is covered without writing a test. Each runs in a fresh launch folder (where the pages say
-``outputs/``, ``mlflow.db`` and ``optuna.db`` land) with only ``APPENDED`` added at its end and the
-placeholders a reader fills in (``ckpt_path=PATH``, ``[same overrides]``) replaced. A command that
-cannot run here is listed in ``SKIPPED`` with the reason; any other placeholder fails its test.
+becomes one test, whose id names the pages that show it (a command shown on several pages runs
+once). A command that runs ``src.train``, ``src.eval`` or ``src.predict`` (sweeps included) runs in
+a fresh launch folder (where the pages say ``outputs/``, ``mlflow.db`` and ``optuna.db`` land) with
+only ``APPENDED`` added at its end and the placeholders a reader fills in (``ckpt_path=PATH``,
+``[same overrides]``) replaced; a new one is covered without writing a test. Any other command
+(``mlflow ui``, ``mlflow models serve``, ``curl``, ``src.register``, ``make``, ``sbatch``, ...) runs
+through its runner in ``RUNNERS``, as typed, after what a reader runs first. A command that cannot
+run here is listed in ``SKIPPED`` with the reason and the test that runs the same thing; a command
+with neither a runner nor a reason fails ``test_every_command_is_run_or_skipped``, and any other
+placeholder fails its test.
 """
 
 import json
