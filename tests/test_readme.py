@@ -76,8 +76,8 @@ SKIPPED: dict[str, str] = {
     "(.ci/run) makes a fresh venv and installs the project exactly so, then runs the tests in it",
     r"^python3? -m pytest\b(?!.*tests/)": "the test suite itself (what CI's .ci/run runs)",
     r"^TEMPLATE_DATA_DIR=\S+ python3? -m pytest\b": "reads the real Fashion-MNIST/MNIST files, "
-    "not here; tests/test_data.py::test_real_data_folder_is_taken_from_the_environment runs these "
-    "tests with TEMPLATE_DATA_DIR set to another folder and checks they look there",
+    "not here; tests/test_data.py::test_real_data_folder_is_taken_from_the_environment runs one "
+    "of these tests with TEMPLATE_DATA_DIR set to another folder and checks it looks there",
     r"^sky\b": "needs a cloud account; tests/test_sky.py runs sky/train.yaml's run: section on "
     "this host as 2 nodes x 1 process",
     r"^docker\b": "no Docker engine here or on CI; IMAGE_TEST=1 tests/test_tooling.py::"
@@ -733,7 +733,7 @@ RUNNERS: dict[str, Runner] = {
     r"^mlflow models serve\b": run_models_serve,
     r"^curl\b.*/invocations\b": run_curl,
     r"^python3? -m src\.register\b": run_register,
-    r"^make \w+$": run_make,
+    r"^make (help|lint)$": run_make,  # others build, train or delete: a new one needs a look
     r"^pre-commit install$": run_pre_commit_install,
     r"^sbatch --gpus-per-node=0 slurm/train\.sbatch$": run_sbatch_train,
     r"^sbatch --gpus-per-node=0 slurm/eval\.sbatch\b": run_sbatch_eval,
