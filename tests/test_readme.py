@@ -1,27 +1,34 @@
-"""Every shell command the README and the ``docs/`` pages show that runs an entry point, run as
-typed on tiny data; and every relative link of those pages, checked.
+"""Every shell command the README and the ``docs/`` pages show, run as typed on tiny data or
+skipped with the reason; and every relative link of those pages, checked.
 
 The commands are read from README.md and docs/*.md when the tests are collected: each fenced
 ``bash``, ``sh``, ``shell`` or ``console`` block is split into commands, and every distinct command
-that runs ``src.train``, ``src.eval`` or ``src.predict`` becomes one test, whose id names the pages
-that show it (a command shown on several pages runs once). A new command in the README or a docs
-page is covered without writing a test. Each runs in a fresh launch folder (where the pages say
-``outputs/``, ``mlflow.db`` and ``optuna.db`` land) with only ``APPENDED`` added at its end and the
-placeholders a reader fills in (``ckpt_path=PATH``, ``[same overrides]``) replaced. A command that
-cannot run here is listed in ``SKIPPED`` with the reason; any other placeholder fails its test.
+becomes one test, whose id names the pages that show it (a command shown on several pages runs
+once). A command that runs ``src.train``, ``src.eval`` or ``src.predict`` (sweeps included) runs in
+a fresh launch folder (where the pages say ``outputs/``, ``mlflow.db`` and ``optuna.db`` land) with
+only ``APPENDED`` added at its end and the placeholders a reader fills in (``ckpt_path=PATH``,
+``[same overrides]``) replaced; a new one is covered without writing a test. Any other command
+(``mlflow ui``, ``mlflow models serve``, ``curl``, ``src.register``, ``make``, ``sbatch``, ...) runs
+through its runner in ``RUNNERS``, as typed, after what a reader runs first. A command that cannot
+run here is listed in ``SKIPPED`` with the reason and the test that runs the same thing; a command
+with neither a runner nor a reason fails ``test_every_command_is_run_or_skipped``, and any other
+placeholder fails its test.
 """
 
 import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 
@@ -51,16 +58,35 @@ APPENDED: list[tuple[str, str | None]] = [
     (f"hydra.sweeper.n_trials={N_TRIALS}", "hparams_search="),
 ]
 
-# README commands that cannot run on a CPU-only machine, as a regex searched in the command.
+# Commands of the pages that cannot run here, as a regex searched in the command, with the reason
+# and, where there is one, the test that runs the same thing. Every other command runs: an entry
+# point as typed (below), any other command through its runner in ``RUNNERS``; a command with
+# neither fails ``test_every_command_is_run_or_skipped``.
 SKIPPED: dict[str, str] = {
     r"^torchrun\b.*--nnodes[ =](?!1\b)": "two machines (node rank K, HOST_OF_NODE_0)",
     r"^srun\b": "runs inside an sbatch allocation on a SLURM cluster",
     r"\bmodel=mlp\b": "the network that 'Make it yours' adds: tests/test_make_it_yours.py adds it "
     "to a copy of the project and runs these",
-    r"accelerator=gpu|trainer=gpu\b|--gpus\b": "needs a GPU",
+    r"accelerator=gpu|trainer=gpu\b|--gpus(?![\w-])": "needs a GPU",
     r"\$SKYPILOT_": "runs on the nodes of a SkyPilot cluster",
-    r"\bdata=shards\b|\bimages=": "reads shards that src.prepare wrote or new image files: "
+    r"\bdata=shards\b|\bimages=|-m src\.prepare\b": "writes or reads shards, or reads new image "
+    "files: "
     "tests/test_shards.py runs these",
+    r"^sbatch\b(?!.*--gpus-per-node=0)": "needs GPU nodes (--gpus-per-node of 2 or 4); the same "
+    "script runs on CPU nodes here: 'sbatch --gpus-per-node=0 slurm/train.sbatch' below and "
+    "tests/test_slurm.py (1 node x 2 tasks, 2 nodes x 1)",
+    r"^python3? -m venv\b|^\. \.venv/bin/activate$|^pip install\b": "the install: CI "
+    "(.ci/run) makes a fresh venv and installs the project exactly so, then runs the tests in it",
+    r"^python3? -m pytest\b(?!.*tests/)": "the test suite itself (what CI's .ci/run runs)",
+    r"^TEMPLATE_DATA_DIR=\S+ python3? -m pytest\b": "reads the real Fashion-MNIST/MNIST files, "
+    "not here; tests/test_data.py::test_real_data_folder_is_taken_from_the_environment runs one "
+    "of these tests with TEMPLATE_DATA_DIR set to another folder and checks it looks there",
+    r"^sky\b": "needs a cloud account; tests/test_sky.py runs sky/train.yaml's run: section on "
+    "this host as 2 nodes x 1 process",
+    r"^docker\b": "no Docker engine here or on CI; IMAGE_TEST=1 tests/test_tooling.py::"
+    "test_image_builds_and_trains builds the same Dockerfile with buildah and trains in it",
+    r"^python3? -m benchmarks\.run$": "about 10 minutes on 2 cores; tests/test_benchmarks.py runs "
+    "'python -m benchmarks.run --tiny', every row on tiny data",
 }
 
 # Placeholders a reader fills in, and what the tests fill in.
@@ -79,6 +105,9 @@ class ReadmeCommand:
 
     tokens: tuple[str, ...]
     server: tuple[str, ...] | None = None  # the block's `mlflow server ...` command, if any
+    # The commands before this one in its block (what a reader has run first); not part of what
+    # the command is, so a command shown in two blocks is still one test.
+    previous: tuple[tuple[str, ...], ...] = field(default=(), compare=False)
 
     @property
     def text(self) -> str:
@@ -132,26 +161,36 @@ def split_commands(line: str) -> list[list[str]]:
     return [command for command in commands if command]
 
 
-def readme_commands(markdown: str) -> list[ReadmeCommand]:
-    """Every command of the shell blocks that runs an entry point, once, in README order."""
+def block_commands(markdown: str) -> list[ReadmeCommand]:
+    """Every command of the shell blocks, once, in page order."""
     found: list[ReadmeCommand] = []
     for block in shell_blocks(markdown):
         commands = [c for line in logical_lines(block) for c in split_commands(line)]
         server = next((tuple(c) for c in commands if c[:2] == ["mlflow", "server"]), None)
-        for tokens in commands:
-            command = ReadmeCommand(tuple(tokens), server)
-            if set(tokens) & set(ENTRY_POINTS) and command not in found:
+        for i, tokens in enumerate(commands):
+            previous = tuple(tuple(c) for c in commands[:i])
+            command = ReadmeCommand(tuple(tokens), server, previous)
+            if command not in found:
                 found.append(command)
     return found
 
 
+def is_entry_point(tokens: tuple[str, ...] | list[str]) -> bool:
+    return bool(set(tokens) & set(ENTRY_POINTS))
+
+
+def readme_commands(markdown: str) -> list[ReadmeCommand]:
+    """Every command of the shell blocks that runs an entry point, once, in README order."""
+    return [command for command in block_commands(markdown) if is_entry_point(command.tokens)]
+
+
 def page_commands(pages: list[Path], root: Path = PROJECT) -> dict[ReadmeCommand, list[str]]:
-    """Every distinct entry-point command of ``pages``, in page order, with the pages (relative
-    to ``root``) that show it: a command on several pages is one test."""
+    """Every distinct command of ``pages``, in page order, with the pages (relative to ``root``)
+    that show it: a command on several pages is one test."""
     shown: dict[ReadmeCommand, list[str]] = {}
     for page in pages:
         name = page.relative_to(root).as_posix()
-        for command in readme_commands(page.read_text()):
+        for command in block_commands(page.read_text()):
             shown.setdefault(command, []).append(name)
     return shown
 
@@ -431,6 +470,294 @@ def check_outputs(tokens: list[str], proc: subprocess.CompletedProcess, workdir:
     check_mlflow(uri, task, len(jobs))
 
 
+# --- commands that are not entry points ------------------------------------------------------
+#
+# Each runs as typed, from a fresh launch folder, after what a reader runs first (the block's
+# entry-point commands before it, or the page's command it names); the only changes: a port the
+# command names is swapped for a free one if something else here holds it, a ``<time>`` folder is
+# the one that exists, ``JOB`` is the job id sbatch printed.
+
+SERVER_START_S = 180
+SLURM_WAIT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def with_free_port(tokens: list[str], default: int) -> tuple[list[str], int]:
+    """The command and the port it serves on: its ``--port`` (or ``default``), or, if that port
+    is taken here, a free one in its place."""
+    port = int(tokens[tokens.index("--port") + 1]) if "--port" in tokens else default
+    if not port_answers(port):
+        return tokens, port
+    new = free_port()
+    if "--port" in tokens:
+        i = tokens.index("--port") + 1
+        return [*tokens[:i], str(new), *tokens[i + 1 :]], new
+    return [*tokens, "--port", str(new)], new
+
+
+def fill_times(tokens: list[str], workdir: Path) -> list[str]:
+    """Each ``<time>`` of a path (also after ``@`` or ``key=``) as the one folder of ``workdir``
+    that matches."""
+    out = []
+    for token in tokens:
+        if "<time>" in token:
+            prefix, path = re.match(r"^(@|[\w.]+=)?(.*)$", token).groups()
+            matches = sorted(workdir.glob(path.replace("<time>", "*")))
+            assert len(matches) == 1, f"{path}: {matches} in {workdir}"
+            token = (prefix or "") + matches[0].relative_to(workdir).as_posix()
+        out.append(token)
+    return out
+
+
+@contextmanager
+def typed_server(tokens: list[str], port: int, workdir: Path) -> Iterator[str]:
+    """A server command as typed, from ``workdir``, until it answers ``/health`` (else the
+    test fails with its log); then its whole process group is stopped and the port is free."""
+    with mlflow_server(tokens, port, workdir) as url:
+        yield url
+    deadline = time.monotonic() + 30
+    while port_answers(port):
+        assert time.monotonic() < deadline, f"port {port} still answers after the server stopped"
+        time.sleep(0.5)
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200, url
+        return response.read().decode()
+
+
+def run_entry_commands(commands: Iterator[tuple[str, ...]], workdir: Path, data: Path) -> None:
+    """The entry-point commands a reader runs first, as typed with ``APPENDED``, checked."""
+    for tokens in commands:
+        if is_entry_point(tokens):
+            proc = run_command([*tokens, *appended(list(tokens), data)], workdir)
+            check_log(proc)
+            check_outputs(list(tokens), proc, workdir)
+
+
+def shown(pattern: str) -> ReadmeCommand:
+    """The page command that ``pattern`` finds (a runner that needs another command's result
+    takes it from the pages, so the two cannot drift apart)."""
+    found = [command for command in COMMANDS if re.search(pattern, command.text)]
+    assert len(found) == 1, f"{pattern}: {[c.text for c in found]}"
+    return found[0]
+
+
+def run_mlflow_ui(command: ReadmeCommand, workdir: Path, request: pytest.FixtureRequest) -> None:
+    """``mlflow ui`` (or ``mlflow server ...``) answers, its page too, and opens its store in the
+    launch folder."""
+    tokens, port = with_free_port(list(command.tokens), 5000)
+    with typed_server(tokens, port, workdir) as url:
+        assert "<html" in get(f"{url}/").lower()
+        experiments = get(f"{url}/ajax-api/2.0/mlflow/experiments/search?max_results=10")
+        assert "Default" in experiments, experiments
+    store = "sqlite:///mlflow.db"  # what `mlflow ui` opens unless told otherwise
+    if "--backend-store-uri" in tokens:
+        store = tokens[tokens.index("--backend-store-uri") + 1]
+    assert (workdir / store.removeprefix("sqlite:///")).is_file(), listing(workdir)
+
+
+@dataclass(frozen=True)
+class Served:
+    workdir: Path
+    port: int
+
+
+@pytest.fixture(scope="session")
+def served_model(readme_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The pages' ``mlflow models serve ...`` as typed, after the training command before it
+    (which registers the model), answering; stopped at the end of the session."""
+    command = shown(r"^mlflow models serve\b")
+    workdir = tmp_path_factory.mktemp("readme-serve")
+    run_entry_commands(command.previous, workdir, readme_data)
+    tokens, port = with_free_port(list(command.tokens), 5000)
+    with typed_server(tokens, port, workdir):
+        yield Served(workdir, port)
+
+
+def run_models_serve(command: ReadmeCommand, workdir: Path, request: pytest.FixtureRequest) -> None:
+    served = request.getfixturevalue("served_model")
+    assert get(f"http://127.0.0.1:{served.port}/ping") is not None
+
+
+def run_curl(command: ReadmeCommand, workdir: Path, request: pytest.FixtureRequest) -> None:
+    """``curl ... /invocations`` with the input example against the served model: one answer
+    per example image, each a class, its name and every class's probability."""
+    served = request.getfixturevalue("served_model")
+    tokens = [t.replace("127.0.0.1:5001", f"127.0.0.1:{served.port}") for t in command.tokens]
+    tokens = fill_times(tokens, served.workdir)
+    proc = run_command(tokens, served.workdir)
+    check_log(proc)
+    answers = json.loads(proc.stdout)["predictions"]
+    example = tokens[-1].removeprefix("@")
+    inputs = json.loads((served.workdir / example).read_text())["inputs"]
+    assert len(answers) == len(inputs) > 0, proc.stdout[:3000]
+    for answer in answers:
+        assert set(answer) == {"predicted", "class_name", "probabilities"}, answer
+        assert len(answer["probabilities"]) == 10 and answer["predicted"] in range(10)
+
+
+def run_register(command: ReadmeCommand, workdir: Path, request: pytest.FixtureRequest) -> None:
+    """``src.register <sweep folder>`` after the block's sweep: the best job's model is version 1
+    of the name in the launch folder's store."""
+    from mlflow import MlflowClient
+
+    run_entry_commands(command.previous, workdir, request.getfixturevalue("readme_data"))
+    tokens = fill_times(list(command.tokens), workdir)
+    proc = run_command(tokens, workdir)
+    check_log(proc)
+    name = tokens[tokens.index("--name") + 1]
+    assert proc.stdout.startswith(f"registered {name} version 1"), proc.stdout
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    (version,) = client.search_model_versions(f"name = '{name}'")
+    sweep = workdir / tokens[tokens.index("src.register") + 1]
+    jobs = [(sweep / job / "mlflow_run_id.txt").read_text().strip() for job in ("0", "1")]
+    assert version.run_id in jobs
+
+
+def run_make(command: ReadmeCommand, workdir: Path, request: pytest.FixtureRequest) -> None:
+    """``make ...`` from the project root (where the Makefile is), with this environment as the
+    Makefile's ``VENV`` (CI's ``.ci/run`` makes it ``.venv``, the default)."""
+    env = {**command_env(), "VENV": sys.prefix, "PRE_COMMIT_HOME": str(workdir / "pre-commit")}
+    proc = subprocess.run(
+        list(command.tokens), cwd=PROJECT, env=env, capture_output=True, text=True,
+        timeout=TIMEOUT_S,
+    )  # fmt: skip
+    check_log(proc)
+    if command.tokens[1:] == ("help",):
+        assert re.findall(r"make (\S+)", proc.stdout)[:1] == ["help"], proc.stdout
+    if command.tokens[1:] == ("lint",):
+        assert re.search(r"ruff check\.+Passed", proc.stdout), proc.stdout[-3000:]
+
+
+def run_pre_commit_install(
+    command: ReadmeCommand, workdir: Path, request: pytest.FixtureRequest
+) -> None:
+    """``pre-commit install`` in a fresh git checkout with the project's hook config."""
+    subprocess.run(["git", "init", "-q"], cwd=workdir, check=True)
+    (workdir / ".pre-commit-config.yaml").write_text(
+        (PROJECT / ".pre-commit-config.yaml").read_text()
+    )
+    env = {**command_env(), "PRE_COMMIT_HOME": str(workdir / "pre-commit")}
+    proc = subprocess.run(
+        list(command.tokens), cwd=workdir, env=env, capture_output=True, text=True, timeout=120
+    )
+    check_log(proc)
+    assert "pre-commit" in (workdir / ".git" / "hooks" / "pre-commit").read_text()
+
+
+def slurm_running() -> None:
+    """The live local SLURM cluster, started if it is not (as tests/test_slurm.py does)."""
+    if (
+        shutil.which("sinfo")
+        and subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0
+    ):
+        return
+    if os.geteuid() != 0 or not (shutil.which("apt-get") or shutil.which("slurmctld")):
+        pytest.skip(
+            "no SLURM cluster here, and no root and apt to start one (slurm/local-cluster.sh)"
+        )
+    proc = subprocess.run(
+        ["bash", PROJECT / "slurm" / "local-cluster.sh"], capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def run_sbatch(tokens: list[str], workdir: Path) -> tuple[str, str]:
+    """``sbatch ...`` from ``workdir`` (with the project's ``slurm/`` there, as in the project
+    root), waiting for the job: (job id, its output); the job must have COMPLETED with 0."""
+    if not (workdir / "slurm").exists():
+        (workdir / "slurm").symlink_to(PROJECT / "slurm")
+    proc = run_command(tokens, workdir)
+    check_log(proc)
+    job = re.search(r"Submitted batch job (\d+)", proc.stdout).group(1)
+    deadline = time.monotonic() + SLURM_WAIT_S
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout:
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job])
+            pytest.fail(f"job {job} still running after {SLURM_WAIT_S} s")
+        time.sleep(1)
+    output = (workdir / f"slurm-{job}.out").read_text()
+    state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state + output[-5000:]
+    problems = sorted({m.group(0) for m in LOG_PROBLEMS.finditer(output)})
+    assert not problems, f"{problems} in slurm-{job}.out:\n{output[-5000:]}"
+    return job, output
+
+
+@dataclass(frozen=True)
+class SlurmTrained:
+    workdir: Path
+    job: str
+
+
+@pytest.fixture(scope="session")
+def slurm_trained(readme_data: Path, tmp_path_factory: pytest.TempPathFactory) -> SlurmTrained:
+    """The pages' ``sbatch --gpus-per-node=0 slurm/train.sbatch`` with ``APPENDED``, on the live
+    cluster: one 2-rank job, its folder, its checkpoints and one FINISHED MLflow run."""
+    slurm_running()
+    command = shown(r"^sbatch --gpus-per-node=0 slurm/train\.sbatch$")
+    workdir = tmp_path_factory.mktemp("readme-sbatch")
+    tokens = [*command.tokens, *appended(list(command.tokens), readme_data)]
+    job, _ = run_sbatch(tokens, workdir)
+    run_dir = workdir / "outputs" / "train" / "slurm" / job
+    check_job("train", "test", run_dir, resumed=False)
+    check_mlflow(f"sqlite:///{workdir / 'mlflow.db'}", "train", 1)
+    return SlurmTrained(workdir, job)
+
+
+def run_sbatch_train(command: ReadmeCommand, workdir: Path, request: pytest.FixtureRequest) -> None:
+    request.getfixturevalue("slurm_trained")
+
+
+def run_sbatch_eval(command: ReadmeCommand, workdir: Path, request: pytest.FixtureRequest) -> None:
+    """``slurm/eval.sbatch ckpt_path=outputs/train/slurm/JOB/...`` after the page's training job,
+    from its launch folder: the test metrics, one FINISHED eval run."""
+    trained = request.getfixturevalue("slurm_trained")
+    tokens = [t.replace("/JOB/", f"/{trained.job}/") for t in command.tokens]
+    tokens += appended(tokens, request.getfixturevalue("readme_data"))
+    job, _ = run_sbatch(tokens, trained.workdir)
+    check_job("eval", "test", trained.workdir / "outputs" / "eval" / "slurm" / job, False)
+    check_mlflow(f"sqlite:///{trained.workdir / 'mlflow.db'}", "eval", 1)
+
+
+Runner = Callable[[ReadmeCommand, Path, pytest.FixtureRequest], None]
+
+# The commands that are not entry points and run here, as a regex searched in the command.
+RUNNERS: dict[str, Runner] = {
+    r"^mlflow (ui|server)\b": run_mlflow_ui,
+    r"^mlflow models serve\b": run_models_serve,
+    r"^curl\b.*/invocations\b": run_curl,
+    r"^python3? -m src\.register\b": run_register,
+    r"^make (help|lint)$": run_make,  # others build, train or delete: a new one needs a look
+    r"^pre-commit install$": run_pre_commit_install,
+    r"^sbatch --gpus-per-node=0 slurm/train\.sbatch$": run_sbatch_train,
+    r"^sbatch --gpus-per-node=0 slurm/eval\.sbatch\b": run_sbatch_eval,
+}
+
+
+def runner_of(text: str) -> Runner | None:
+    return next((run for pattern, run in RUNNERS.items() if re.search(pattern, text)), None)
+
+
+def how_run(command: ReadmeCommand) -> str | None:
+    """``skipped``, ``entry point``, ``runner``, or None: nothing runs it and nothing says why."""
+    if skip_reason(command.text):
+        return "skipped"
+    if is_entry_point(command.tokens):
+        return "entry point"
+    if runner_of(command.text):
+        return "runner"
+    return None
+
+
 # --- fixtures and tests ---------------------------------------------------------------------
 
 
@@ -478,6 +805,12 @@ def test_readme_command(
     """The command runs as typed, from a fresh launch folder, on tiny data."""
     if reason := skip_reason(command.text):
         pytest.skip(reason)
+    if not is_entry_point(command.tokens):
+        run = runner_of(command.text)
+        if run is None:
+            pytest.fail(f"no runner in RUNNERS and no reason in SKIPPED for: {command.text}")
+        run(command, tmp_path, request)
+        return
     checkpoint = None
     if needs_checkpoint(command.tokens):
         data = override(list(command.tokens), "data")
@@ -594,6 +927,49 @@ def test_expected_jobs_and_appended_overrides() -> None:
     assert appended(search, Path("/d"))[0] == "data.root=/d"
     assert appended(search, Path("/d"))[-1] == f"hydra.sweeper.n_trials={N_TRIALS}"
     assert not any("n_trials" in o for o in appended(sweep, Path("/d")))
+
+
+def test_parser_collects_every_command_with_what_came_before() -> None:
+    commands = block_commands(SAMPLE)
+    texts = [command.text for command in commands]
+    assert texts[:2] == ["pip install -e .", "python -m src.train"]
+    assert "mlflow server --port 5001 --backend-store-uri sqlite:///s.db" in texts
+    served = next(c for c in commands if c.text.startswith("python -m src.train logger"))
+    assert served.previous == (served.server,)
+    assert commands[1].previous == (("pip", "install", "-e", "."),)
+
+
+def test_every_command_is_run_or_skipped() -> None:
+    """Each command of the pages is an entry point, has a runner, or is in SKIPPED with why."""
+    assert [c.text for c in COMMANDS if how_run(c) is None] == []
+    assert [c.text for c in COMMANDS if not is_entry_point(c.tokens) and how_run(c) == "runner"]
+    unknown = ReadmeCommand(("rsync", "-a", "outputs/", "host:"))
+    assert how_run(unknown) is None, "a new command with neither fails"
+
+
+def test_runners_and_skips_split_the_sbatch_and_server_commands() -> None:
+    assert skip_reason("sbatch --gpus-per-node=0 slurm/train.sbatch") is None
+    assert runner_of("sbatch --gpus-per-node=0 slurm/train.sbatch")
+    assert skip_reason("sbatch slurm/train.sbatch model.lr=0.01")
+    assert skip_reason("docker run --rm --gpus all img") == "needs a GPU"
+    assert skip_reason("python -m pytest tests/test_data.py") is None
+    assert skip_reason("python -m pytest -m not slow")
+    assert runner_of("mlflow ui") and runner_of("mlflow server --port 5000")
+
+
+def test_placeholders_of_runners_are_filled_in(tmp_path: Path) -> None:
+    (tmp_path / "outputs" / "train" / "runs" / "2026-01-01_00-00-00" / "model").mkdir(parents=True)
+    tokens = ["curl", "-d", "@outputs/train/runs/<time>/model", "x=outputs/train/runs/<time>"]
+    assert fill_times(tokens, tmp_path) == [
+        "curl", "-d", "@outputs/train/runs/2026-01-01_00-00-00/model",
+        "x=outputs/train/runs/2026-01-01_00-00-00",
+    ]  # fmt: skip
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        tokens, new = with_free_port(["mlflow", "ui", "--port", str(port)], 5000)
+        assert new != port and tokens == ["mlflow", "ui", "--port", str(new)]
 
 
 def test_readme_shows_every_entry_point() -> None:
