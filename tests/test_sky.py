@@ -16,6 +16,7 @@ from tests.test_distributed import free_port, launch_together
 from tests.test_resume import SIGNAL_AT_STEP
 
 TASK = PROJECT / "sky" / "train.yaml"
+MANAGED = PROJECT / "sky" / "train-managed.yaml"  # a managed job on spot nodes
 
 
 def test_task_file_asks_for_what_the_readme_says() -> None:
@@ -58,19 +59,30 @@ def test_run_section_on_two_nodes_matches_two_devices(
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
 
 
+def test_managed_job_recovers_from_its_bucket_into_its_server() -> None:
+    task = yaml.safe_load(MANAGED.read_text())
+    assert task["resources"]["use_spot"] and task["resources"]["job_recovery"]
+    assert task["file_mounts"]["/checkpoints"]["mode"] == "MOUNT_CACHED"
+    assert "ckpt_path=auto" in task["run"] and "$SKYPILOT_TASK_ID" in task["run"]
+
+
 @pytest.mark.slow
-def test_a_preempted_run_section_run_again_continues_exactly(
+def test_a_preempted_managed_job_run_again_continues_exactly(
     two_devices: dict[str, float], tiny_root: Path, tmp_path: Path
 ) -> None:
     """A preemption gives no signal: every process of both nodes is SIGKILLed mid-epoch, after a
-    step checkpoint; SkyPilot's recovery runs the same section again, which continues."""
-    task = yaml.safe_load(TASK.read_text())
+    step checkpoint; SkyPilot's recovery runs the same section again (same task id, same bucket
+    folder, new nodes), which continues exactly in the same MLflow run."""
+    task = yaml.safe_load(MANAGED.read_text())
+    task["envs"].update(RUN_ROOT=str(tmp_path / "bucket"), SKYPILOT_TASK_ID="sky-managed-1",
+                        MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")  # fmt: skip
     args = [*tiny_overrides(tiny_root), "trainer.max_epochs=1",
             "callbacks.checkpoint.every_n_train_steps=3"]  # fmt: skip
     command = ["bash", "-euc", task["run"]]
     slow = {"PYTHONPATH": os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)]),
             "SLEEP_PER_STEP": "0.5"}  # fmt: skip
-    last = tmp_path / "outputs/train/runs/sky/checkpoints/last.ckpt"
+    run_dir = tmp_path / "bucket" / "sky-managed-1"
+    last = run_dir / "checkpoints" / "last.ckpt"
     nodes = [
         subprocess.Popen(command, cwd=tmp_path, env={**os.environ, **env},
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -92,6 +104,6 @@ def test_a_preempted_run_section_run_again_continues_exactly(
     step = torch.load(last, weights_only=True)["global_step"]
     assert 0 < step < 10, "killed mid-epoch, after a step checkpoint"
     launch_together([command, command], node_envs(task, args), cwd=tmp_path)
-    assert_same_metrics(tmp_path / "outputs/train/runs/sky", two_devices)
+    assert_same_metrics(run_dir, two_devices)
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
