@@ -83,6 +83,8 @@ SKIPPED: dict[str, str] = {
     "of these tests with TEMPLATE_DATA_DIR set to another folder and checks it looks there",
     r"^sky\b": "needs a cloud account; tests/test_sky.py runs sky/train.yaml's run: section on "
     "this host as 2 nodes x 1 process",
+    r"^kubectl\b": "needs a Kubernetes cluster; tests/test_k8s.py validates the manifest against "
+    "the JobSet resource schema and runs its container command on this host as 2 pods",
     r"^docker\b": "no Docker engine here or on CI; IMAGE_TEST=1 tests/test_tooling.py::"
     "test_image_builds_and_trains builds the same Dockerfile with buildah and trains in it",
     r"^python3? -m benchmarks\.run$": "about 10 minutes on 2 cores; tests/test_benchmarks.py runs "
