@@ -201,6 +201,11 @@ def test_a_killed_sweep_run_again_skips_finished_jobs_and_resumes_the_rest(
     )
     assert len(runs) == 2 + 2, "the reference's two runs and the sweep's two, continued"
     assert all(run.info.status == "FINISHED" for run in runs)
+    parents = client.search_runs([runs[0].info.experiment_id], "tags.`sweep.parent` = 'sweep'")
+    assert len(parents) == 1, "run again, the sweep continues its parent run"
+    assert {
+        r.data.tags["mlflow.parentRunId"] for r in runs if r.data.tags["sweep.id"] == "sweep"
+    } == {parents[0].info.run_id}
 
 
 def test_a_sweep_folder_of_another_sweep_is_refused_in_one_line(
