@@ -47,6 +47,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         checkpoint.check_fits(resume, model, datamodule, ckpt_path)
     continue_run = tracking.run_to_continue(resume, cfg, auto=requested == "auto")
     loggers = tracking.build_loggers(cfg, continue_run=continue_run)
+    sweeps.record_job(out)  # a sweep job starts: run again in its folder, it resumes
     reporting.show_config(cfg)
     callbacks = build_callbacks(cfg, monitor=(task.monitor, task.mode))
     callbacks += [SeedEachBatch(seed), *tracking.callbacks(loggers, cfg)]

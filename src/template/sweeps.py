@@ -43,23 +43,26 @@ class SweepFolderTaken(RuntimeError):
 def earlier_run(output_dir: Path) -> dict[str, Any] | None:
     """What an earlier run of this sweep job left in its folder (``{"overrides"}``, and
     ``"result"`` once it finished), when the same sweep runs again in its folder; None for a
-    first run (recorded now) or outside a sweep. A folder of another job is refused."""
-    job = sweep_job()
-    if job is None:
-        return None
-    overrides, path = list(HydraConfig.get().overrides.task), output_dir / JOB_FILE
-    if not path.is_file():
-        output_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"overrides": overrides}))
+    first run or outside a sweep. A folder of another job is refused."""
+    job, path = sweep_job(), output_dir / JOB_FILE
+    if job is None or not path.is_file():
         return None
     earlier = json.loads(path.read_text())
-    if earlier["overrides"] != overrides:
+    if earlier["overrides"] != list(HydraConfig.get().overrides.task):
         raise SweepFolderTaken(
             f"{output_dir} holds sweep job {job[1]} of another sweep "
             f"({' '.join(earlier['overrides'])}); run this one in a new folder (leave out "
             "hydra.sweep.dir) or run that sweep's command again"
         )
     return earlier
+
+
+@rank_zero_only
+def record_job(output_dir: Path) -> None:
+    """This sweep job's overrides in its folder, once its inputs are checked and it starts."""
+    path = output_dir / JOB_FILE
+    if sweep_job() is not None and not path.is_file():
+        path.write_text(json.dumps({"overrides": list(HydraConfig.get().overrides.task)}))
 
 
 def check_same_sweep(folder: Path, overrides: Sequence[str]) -> None:
