@@ -34,3 +34,17 @@ def test_mlflows_system_metrics_samplers_are_usable_without_its_loop() -> None:
     for sampler in monitor.monitors:
         sampler.clear_metrics()
     assert monitor.sampling_interval == 1
+
+
+def test_litdatas_internals_that_data_shards_uses_for_remote_reads() -> None:
+    """src/task/data/shards.py, reading s3:// shards (LitData is pinned in constraints.txt)."""
+    from litdata import StreamingDataset
+    from litdata.streaming import downloader
+    from litdata.utilities.env import _WorkerEnv
+
+    assert isinstance(downloader._OBSTORE_CLIENT_OPTIONS, dict), "allow_http is set there"
+    assert callable(_WorkerEnv.detect)
+    assert list(inspect.signature(StreamingDataset._create_cache).parameters) == [
+        "self", "worker_env",
+    ]  # fmt: skip
+    assert "self.on_demand_bytes" in inspect.getsource(StreamingDataset)

@@ -13,6 +13,11 @@ Lightning (pinned in pyproject.toml):
 MLflow (pinned): ``SystemMetricsMonitor``'s samplers, used without its logging loop
 (``collect_metrics()``, ``aggregate_metrics()``, ``monitors`` and their ``clear_metrics()``):
 MLflow's loop writes to the store directly and stops at the first failed request.
+
+LitData (pinned), in the task's ``src/task/data/shards.py`` for ``s3://`` shards: its obstore
+client options (``downloader._OBSTORE_CLIENT_OPTIONS``, to allow an ``http://`` endpoint), and
+``StreamingDataset._create_cache(worker_env=_WorkerEnv.detect())`` with ``on_demand_bytes =
+False`` (whole shards into the bounded cache instead of one ranged request per sample).
 """
 
 from lightning.fabric.utilities.distributed import (
