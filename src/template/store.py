@@ -94,7 +94,8 @@ def locked(folder: Path) -> Iterator[None]:
 
 def ensure_experiment(client: Any, name: str, tracking_uri: str) -> None:
     """The experiment exists (created here, one job at a time, not by Lightning's logger in every
-    job), marked as model training so the MLflow UI opens it on its runs (not on GenAI traces)."""
+    job), tagged as model training: MLflow 3's kind for it (its 3.17 UI does not follow the tag
+    yet, mlflow/mlflow#24498)."""
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         try:

@@ -18,8 +18,8 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from src.template.store import locked, mask_override, talks_to_store, without_password
-from src.template.sweeps import sweep_command, sweep_job, varied_overrides
+from src.template.store import locked, mask_override, without_password
+from src.template.sweeps import sweep_command, sweep_job, sweep_overrides, varied_overrides
 
 PARENT_FILE = "mlflow_parent_run.json"  # in the sweep folder: the parent run and its store
 JOBS_FILE = "jobs.csv"  # the parent's table of every job
@@ -27,12 +27,10 @@ SEEDS_FILE = "seeds.csv"  # per group of jobs that differ only in seed or fold: 
 
 
 def parent_run(cfg: DictConfig) -> str | None:
-    """The id of this sweep job's parent run, made by the first job that asks (rank 0, after the
-    store is prepared); None outside a sweep or without an MLflow store to write to now."""
+    """The id of this sweep job's parent run, made by the first job that asks; None outside a
+    sweep. Called where the MLflow logger is built: on rank 0, once the store is prepared."""
     job = sweep_job()
-    if job is None or cfg.logger.kind != "mlflow" or cfg.logger.get("offline"):
-        return None
-    if not talks_to_store(cfg):
+    if job is None:
         return None
     from mlflow import MlflowClient
 
@@ -80,7 +78,7 @@ def summarize(cfg: DictConfig, mode: str) -> None:
 
 def read_jobs(folder: Path) -> list[dict[str, Any]]:
     """Each job of the sweep folder: its number, run, varied overrides, status and metrics."""
-    command = OmegaConf.load(folder / "multirun.yaml").hydra.overrides.task
+    command = sweep_overrides(folder)
     jobs = []
     for overrides_file in sorted(folder.glob("*/.hydra/overrides.yaml")):
         out = overrides_file.parent.parent

@@ -65,12 +65,17 @@ def record_job(output_dir: Path) -> None:
         path.write_text(json.dumps({"overrides": list(HydraConfig.get().overrides.task)}))
 
 
+def sweep_overrides(folder: Path) -> list[str]:
+    """The overrides of the command that started the sweep in ``folder``, as its sweeper saved
+    them in ``multirun.yaml``."""
+    return list(OmegaConf.load(folder / "multirun.yaml").hydra.overrides.task)
+
+
 def check_same_sweep(folder: Path, overrides: Sequence[str]) -> None:
     """A sweep folder is run again only by its own sweep's command (its overrides, as Hydra
     saved them in ``multirun.yaml``), so each job folder holds that job's earlier run."""
-    saved = folder / "multirun.yaml"
-    if saved.is_file():
-        earlier = list(OmegaConf.load(saved).hydra.overrides.task)
+    if (folder / "multirun.yaml").is_file():
+        earlier = sweep_overrides(folder)
         if earlier != list(overrides):
             raise SweepFolderTaken(
                 f"{folder} holds another sweep ({' '.join(earlier) or 'no overrides'}); run this "
@@ -102,8 +107,7 @@ def swept_overrides() -> list[str]:
     job = sweep_job()
     if job is None or not HydraConfig.initialized():
         return []
-    command = OmegaConf.load(job[0] / "multirun.yaml").hydra.overrides.task
-    return varied_overrides(HydraConfig.get().overrides.task, command)
+    return varied_overrides(HydraConfig.get().overrides.task, sweep_overrides(job[0]))
 
 
 def varied_overrides(job: Sequence[str], command: Sequence[str]) -> list[str]:
@@ -124,8 +128,7 @@ def varied_overrides(job: Sequence[str], command: Sequence[str]) -> list[str]:
 
 def sweep_command(folder: Path, entry_point: str) -> list[str]:
     """The command that started the sweep in ``folder``, as its ``multirun.yaml`` says."""
-    overrides = OmegaConf.load(folder / "multirun.yaml").hydra.overrides.task
-    return ["python", "-m", entry_point, "-m", *overrides]
+    return ["python", "-m", entry_point, "-m", *sweep_overrides(folder)]
 
 
 def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:

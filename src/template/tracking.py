@@ -238,7 +238,7 @@ def run_to_continue(
     if cfg.logger.get("run_id"):
         return named_run(cfg)
     opened = Path(cfg.paths.output_dir, RUN_ID_FILE)
-    if auto and not saved and opened.is_file() and cfg.logger.get("continue_run", True):
+    if auto and not saved and opened.is_file():
         saved = {"mlflow": {"run_id": opened.read_text().strip(),
                             "tracking_uri": without_password(cfg.logger.tracking_uri)}}  # fmt: skip
     source = (saved or {}).get("mlflow")
@@ -278,7 +278,7 @@ def named_run(cfg: DictConfig) -> str:
 
 def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> None:
     """The run's params (for MLflow in full) and, in the output folder, the run's id: a job
-    stopped before its first checkpoint continues with ``logger.run_id=`` (slurm/train.sbatch)."""
+    stopped before its first checkpoint continues it (``ckpt_path=auto``, or ``logger.run_id=``)."""
     params = run_params(cfg, trainer)
     for logger in loggers:
         if isinstance(logger, EpochMLFlowLogger) and logger.continued:
