@@ -158,3 +158,34 @@ def test_checkpoint_callbacks_keep_lightnings_state_keys(tmp_path: Path) -> None
     for callback in (best, LastCheckpoint(tmp_path, every_n_train_steps=5)):
         assert callback.state_key == ModelCheckpoint.state_key.fget(callback)
         assert callback.state_key is callback.state_key
+
+
+def test_best_file_copied_into_a_resumed_folder_is_never_rewritten_in_place(
+    tmp_path: Path,
+) -> None:
+    """Lightning restores callbacks again from the best file when it tests it, while the other
+    ranks read that file: the copy made at resume must not be made again (a rank then read a
+    half-rewritten checkpoint), and a copy replaces its target whole."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    source = old / "epoch000-acc1.0000.ckpt"
+    torch.save({"weights": torch.arange(1000)}, source)
+    state = {
+        "dirpath": str(old), "best_k_models": {str(source): torch.tensor(1.0)},
+        "best_model_path": str(source), "kth_best_model_path": str(source),
+        "best_model_score": torch.tensor(1.0), "kth_value": torch.tensor(1.0),
+    }  # fmt: skip
+    best = BestCheckpoint(dirpath=new, monitor="val/acc", mode="max", save_top_k=1)
+    best.load_state_dict(state)  # fit resumes into a new folder: the best file is copied
+    copied = new / source.name
+    assert best.best_model_path == str(copied)
+    before = copied.stat()
+    with copied.open("rb") as reader:  # another rank reading it for its test
+        best.load_state_dict(state)  # Lightning's restore from the best file at test time
+        assert copied.stat().st_ctime_ns == before.st_ctime_ns, "rewritten while being read"
+        torch.save({"weights": -torch.arange(1000)}, source)  # a source that really differs
+        best.load_state_dict(state)
+        assert copied.stat().st_ino != before.st_ino, "copied in place, not renamed over"
+        assert torch.equal(torch.load(reader, weights_only=True)["weights"], torch.arange(1000))
+    assert torch.equal(torch.load(copied, weights_only=True)["weights"], -torch.arange(1000))
+    assert not list(new.glob(".*.tmp"))

@@ -17,9 +17,9 @@
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import lightning.pytorch as L
 import torch
@@ -35,33 +35,49 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing or does not fit the requested job."""
 
 
+def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """``write`` to ``.<name>.<random>.tmp`` beside ``path``, fsync, then rename over ``path``:
+    a reader (another rank) sees the old file or the new one, never a half-written one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    # os.open applies the umask to 0o666, as open() does for the final file.
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself survives a power loss
+    finally:
+        os.close(folder)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to ``.<name>.<random>.tmp`` in the target folder, fsync, then rename."""
+    """Every local ``.ckpt`` written by :func:`write_atomically`."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None
     ) -> None:
         if "://" in str(path):  # remote storage: Lightning's fsspec writer
             return super().save_checkpoint(checkpoint, path, storage_options)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        # os.open applies the umask to 0o666, as open() does for the final file.
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            with os.fdopen(fd, "wb") as file:
-                torch.save(checkpoint, file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temp, path)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)  # the rename itself survives a power loss
-        finally:
-            os.close(folder)
+        write_atomically(Path(path), lambda file: torch.save(checkpoint, file))
+
+
+def copy_atomically(source: Path, target: Path) -> None:
+    """``source`` to ``target`` unless already copied (same size and time, as copy2 keeps)."""
+    if target.is_file():
+        old, new = source.stat(), target.stat()
+        if (old.st_size, old.st_mtime_ns) == (new.st_size, new.st_mtime_ns):
+            return
+    with source.open("rb") as file:
+        write_atomically(target, lambda out: shutil.copyfileobj(file, out))
+    shutil.copystat(source, target)
 
 
 class FixedStateKey:
@@ -86,10 +102,11 @@ class BestCheckpoint(FixedStateKey, ModelCheckpoint):
         best = state_dict.get("best_k_models", {})
         if old and new and old != new and all(Path(path).is_file() for path in best):
             moved = {path: str(Path(new) / Path(path).name) for path in best}
+            # Lightning restores callbacks again from the best file at test time, while other
+            # ranks read that file: never rewrite it in place.
             if rank_zero_only.rank == 0:
-                Path(new).mkdir(parents=True, exist_ok=True)
                 for source, target in moved.items():
-                    shutil.copy2(source, target)
+                    copy_atomically(Path(source), Path(target))
             state_dict = {
                 **state_dict,
                 "dirpath": new,
