@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import psutil
@@ -49,6 +49,37 @@ def tiny_overrides(data_root: Path) -> list[str]:
     ]
 
 
+def run_job(
+    command: Sequence[str], *, cwd: Path, env: dict[str, str], timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True)`` for a job that may start
+    rank and data-loader processes. A job still running after ``timeout`` seconds fails the
+    test with where every one of its processes is stuck: each gets SIGABRT, and Python's
+    faulthandler prints all its threads' stacks to the captured stderr. Nothing outlives it."""
+    env = {**env, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(
+        list(command), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail(
+            f"{' '.join(map(str, command))} still running after {timeout:g} s; the stacks of "
+            f"its processes:\n{err[-30000:]}\n--- stdout ---\n{out[-3000:]}"
+        )
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a rank or worker left behind
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def run_entry(
     module: str,
     *overrides: str,
@@ -59,14 +90,7 @@ def run_entry(
     """Run ``python -m src.<module>`` in a subprocess, as a user would; fail with its output.
     ``env`` adds or replaces environment variables (``PYTHONPATH`` is this project's)."""
     env = {**os.environ, "PYTHONPATH": str(PROJECT), **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, "-m", f"src.{module}", *overrides],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_job([sys.executable, "-m", f"src.{module}", *overrides], cwd=cwd, env=env)
     if check and proc.returncode != 0:
         pytest.fail(
             f"src.{module} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -20,7 +20,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import N_TEST, N_TRAIN, PROJECT, VAL_SIZE, mlflow_server
+from tests.conftest import N_TEST, N_TRAIN, PROJECT, VAL_SIZE, mlflow_server, run_job
 from tests.idx_data import make_dataset
 from tests.image_data import make_image_folder
 
@@ -45,7 +44,7 @@ PAGES = [README, *sorted((PROJECT / "docs").glob("*.md"))]
 SHELL_BLOCKS = {"bash", "sh", "shell", "console"}
 ENTRY_POINTS = ("src.train", "src.eval", "src.predict")
 N_TRIALS = 2
-TIMEOUT_S = 600
+TIMEOUT_S = 300
 
 # The only additions to a README command, in this order, at its end: sizes for a job of seconds
 # on tiny generated data. ``{data_root}`` is the session's tiny data folder. An entry with a
@@ -352,20 +351,8 @@ def executable(tokens: list[str]) -> list[str]:
 
 
 def run_command(argv: list[str], workdir: Path) -> subprocess.CompletedProcess:
-    """Run a command in its own session from ``workdir``; kill all it started on a timeout."""
-    proc = subprocess.Popen(
-        executable(argv), cwd=workdir, env=command_env(), text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(
-            f"still running after {TIMEOUT_S} s: {argv}\n{stdout[-3000:]}\n{stderr[-3000:]}"
-        )
-    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+    """Run a command from ``workdir`` as a user would (``run_job``: a hang fails with stacks)."""
+    return run_job(executable(argv), cwd=workdir, env=command_env(), timeout=TIMEOUT_S)
 
 
 def port_answers(port: int) -> bool:

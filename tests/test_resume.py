@@ -3,7 +3,6 @@ step by ``tests/signal_at_step``), by ``max_steps`` or by SIGKILL after a step c
 resumed; the result must equal an uninterrupted job's."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +10,15 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from tests.conftest import N_TRAIN, PROJECT, VAL_SIZE, read_metrics, run_entry, tiny_overrides
+from tests.conftest import (
+    N_TRAIN,
+    PROJECT,
+    VAL_SIZE,
+    read_metrics,
+    run_entry,
+    run_job,
+    tiny_overrides,
+)
 from tests.test_train import EPOCH_METRICS, assert_same_tensors
 
 EPOCHS = 3
@@ -56,9 +63,7 @@ def stopped_job(workdir: Path, args: list[str], signal_at: str | None) -> int:
     if signal_at:
         env["SIGNAL_AT_STEP"] = signal_at
     command = [sys.executable, "-m", "src.train", *args, "hydra.run.dir=run"]
-    proc = subprocess.run(
-        command, cwd=workdir, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_job(command, cwd=workdir, env=env)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc.returncode
 

@@ -1,0 +1,33 @@
+"""The test harness itself: a hung job fails its test with where it hangs, and leaves nothing."""
+
+import os
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import PROJECT, run_job
+
+HANGS = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # a rank, say
+def stuck_in_a_collective():
+    time.sleep(600)
+stuck_in_a_collective()
+"""
+
+
+def test_a_hung_job_fails_with_every_processs_stack_and_leaves_nothing() -> None:
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_job([sys.executable, "-c", HANGS], cwd=PROJECT, env=dict(os.environ), timeout=3)
+    message = str(failed.value)
+    assert "still running after 3 s" in message
+    assert "in stuck_in_a_collective" in message, "the hung process's stack"
+    assert message.count("Current thread") >= 2, "the child's stack too"
+    time.sleep(0.5)
+    leftovers = [
+        p for p in psutil.process_iter(["cmdline"])
+        if any("time.sleep(600)" in arg for arg in p.info["cmdline"] or [])
+    ]  # fmt: skip
+    assert not leftovers
