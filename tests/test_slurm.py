@@ -4,6 +4,7 @@
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -243,3 +244,49 @@ def test_optuna_trials_run_as_slurm_jobs(slurm_cluster: None, tiny_root: Path, t
     runs = mlflow_runs(tmp_path / "mlflow.db")
     assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
     assert {r.data.params["world_size"] for r in runs} == {"2"}
+
+
+@pytest.mark.slow
+def test_a_preempted_slurm_sweep_job_resumes_from_its_checkpoint(
+    slurm_cluster: None, tiny_root: Path, tmp_path: Path
+) -> None:
+    """submitit's warning before preemption or the time limit (SIGUSR2, ``--signal=USR2@90``)
+    stops the job's ranks at a step with ``last.ckpt``; submitit then requeues the job, which
+    resumes from that checkpoint into the same run: the result of an uninterrupted job."""
+    epochs = 4
+    args = [*tiny_overrides(tiny_root), f"trainer.max_epochs={epochs}", "strategy=ddp", "devices=2"]
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    run_entry("train", *args, "logger=none", "hydra.run.dir=run", cwd=reference)
+    command = [sys.executable, "-m", "src.train", "-m", "hydra/launcher=slurm", "accelerator=cpu"]
+    sweep = subprocess.Popen(
+        [*command, *args], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    checkpoint = "outputs/train/multiruns/*/0/checkpoints/last.ckpt"
+    job = None
+    try:
+        deadline = time.monotonic() + 180
+        while not (found := list(tmp_path.glob(checkpoint))):
+            assert sweep.poll() is None and time.monotonic() < deadline, sweep.communicate()
+            time.sleep(0.2)
+        folder = found[0].parents[2]
+        (job,) = [p.name for p in (folder / ".submitit").iterdir() if p.name.isdigit()]
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        out, err = sweep.communicate(timeout=400)
+    finally:
+        if job:
+            subprocess.run(["scancel", job])
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+    assert sweep.returncode == 0, out[-3000:] + err[-5000:]
+    logs = "".join(p.read_text() for p in (folder / ".submitit" / job).glob("*_log.*"))
+    assert "Restored all states from the checkpoint" in logs, "resumed, not started over"
+    # The ranks stopped at a step with its checkpoint first; then submitit requeued the job
+    # (its own handler alone would requeue at once, losing the steps since the last checkpoint).
+    log = (folder / "0" / "train.log").read_text()
+    stopping = log.find("SIGUSR2 received: stopping after the current training step")
+    assert -1 < stopping < log.find("this job is preempted") < log.find("Requeued job"), log
+    assert_same_metrics(folder / "0", read_metrics(reference / "run"))
+    (run,) = mlflow_runs(tmp_path / "mlflow.db")
+    assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"

@@ -1,13 +1,15 @@
 """How a job ends early: never hanging, never leaving orphan processes or a RUNNING run.
 
-* Ctrl-C, SIGTERM or SIGUSR1 (a scheduler's warning before preemption; :class:`StopOnSignal`):
+* Ctrl-C, SIGTERM, SIGUSR1 or SIGUSR2 (a scheduler's warning before preemption: SIGUSR2 is
+  submitit's, under ``hydra/launcher=slurm``; :class:`StopOnSignal`):
   during training the request is only recorded; every ``callbacks.stop_check_every_n_steps``
   training steps all ranks agree on it (one tiny all-reduce then, none in the steps between), write
   ``last.ckpt`` *at that step* and stop together, so no step is half-applied and no rank waits
   in a collective for one that left. Resuming from it
   continues the epoch exactly. A request in an epoch's last step or its validation lets the
   epoch end (validation, its checkpoint, its metrics) first. A second Ctrl-C stops at once.
-  The run ends KILLED; exit code 128 + the signal's number (130, 143, 138).
+  The run ends KILLED; exit code 128 + the signal's number (130, 143, 138, 140). A handler that
+  was there before the job (submitit's checkpoint-and-requeue) then gets the signal.
 * A rank process that dies (:class:`RankWatchdog`, in the launching process): within
   ``strategy.watch_s`` it names the rank and how it died, marks the run FAILED and kills the
   other ranks; the job exits 1 at most ``strategy.exit_grace_s`` later even if rank 0 is stuck
@@ -35,7 +37,7 @@ from src.template.resume import epoch_finished
 log = logging.getLogger(__name__)
 
 LAUNCHER_PID_ENV = "TEMPLATE_LAUNCHER_PID"  # set for the rank processes Lightning starts
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _in_main_thread() -> bool:
@@ -166,6 +168,11 @@ def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
         for logger in trainer.loggers:
             logger.finalize("KILLED" if killed else "failed")
         if killed:
+            # Under hydra/launcher=slurm, submitit requeues the job (rank 0) now that last.ckpt
+            # is written; the requeued sweep job resumes from it (ckpt_path=auto).
+            before = previous.get(stop.requested)
+            if callable(before) and before is not signal.default_int_handler:
+                before(stop.requested, None)
             # Rank 0 tells the job's outcome. Other ranks leave quietly (their part, the
             # checkpoint, is written): under srun --kill-on-bad-exit a rank exiting non-zero
             # first would get rank 0 killed before it ends the run and exits.
