@@ -208,6 +208,38 @@ def test_a_killed_sweep_run_again_skips_finished_jobs_and_resumes_the_rest(
     } == {parents[0].info.run_id}
 
 
+def test_a_killed_optuna_search_run_again_resumes_its_unfinished_trial(
+    tiny_root: Path, tmp_path: Path
+) -> None:
+    """Killed mid-trial (SIGKILL: the study keeps the trial RUNNING), the same command in the
+    same folder resumes that trial in its folder from its step checkpoint, and tells the study
+    the value of an uninterrupted trial."""
+    # seed=7: the first trial draws data.batch_size=64, 5 steps an epoch on the tiny data.
+    args = [*sweep_overrides(tiny_root), "hparams_search=convnet_optuna", "seed=7",
+            "trainer.max_epochs=3", "callbacks.checkpoint.every_n_train_steps=2",
+            "hydra.sweeper.n_trials=1"]  # fmt: skip
+    (tmp_path / "ref").mkdir()  # its own optuna.db
+    run_entry("train", "-m", *args, "hydra.sweep.dir=reference", cwd=tmp_path / "ref")
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)]),
+        "SIGNAL_AT_STEP": "9:SIGKILL",
+    }  # mid-epoch, after the step-8 checkpoint
+    killed = run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path, check=False,
+                       env=env)  # fmt: skip
+    assert killed.returncode == -9
+    again = run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert "trial 0 was interrupted: it resumes in its folder" in again.stdout + again.stderr
+    assert "Restored all states" in again.stderr
+    assert not (tmp_path / "sweep" / "1").exists()
+    reference = read_metrics(tmp_path / "ref" / "reference" / "0")
+    for key, value in read_metrics(tmp_path / "sweep" / "0").items():
+        assert value == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
+    study = optuna.load_study(study_name="convnet-mnist", storage=f"sqlite:///{tmp_path}/optuna.db")
+    (trial,) = study.trials
+    assert trial.state == optuna.trial.TrialState.COMPLETE
+    assert trial.value == pytest.approx(reference["val/acc_best"])
+
+
 def test_a_sweep_folder_of_another_sweep_is_refused_in_one_line(
     tiny_root: Path, tmp_path: Path
 ) -> None:

@@ -22,6 +22,9 @@ Resuming (the same command again, the same ``storage``):
   one study: it is refused in one line, before anything is written, naming what differs and how
   to start a separate study (``hydra.sweeper.study_name=...``).
 - A study that already holds ``n_trials`` finished trials: one line says so; no sweep folder.
+- Run again in the same sweep folder (``hydra.sweep.dir=...``) after the sweep was killed, a
+  trial it left unfinished runs again as the same job, in its folder: it resumes from its
+  checkpoint (a sweep job's ``ckpt_path=auto``), or reads back its result if it had finished.
 """
 
 import logging
@@ -42,6 +45,8 @@ from optuna.distributions import (
     IntDistribution,
 )
 from optuna.trial import TrialState
+
+from src.template.sweeps import JOB_FILE
 
 log = logging.getLogger(__name__)
 
@@ -135,24 +140,38 @@ class OptunaSearch(Sweeper):
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        for trial in self._interrupted(study, sweep_dir):
+            log.info("trial %d was interrupted: it resumes in its folder", trial.number)
+            self._run_trial(study, trial.number, trial.params, arguments)
+        done = len(study.get_trials(deepcopy=False, states=FINISHED))
         for _ in range(done, self.n_trials):
             trial = study.ask(self.space)
-            if self._reuse_duplicate(study, trial):
-                continue
-            overrides = [*arguments, *(f"{name}={value}" for name, value in trial.params.items())]
-            self.validate_batch_is_legal([overrides])
-            (result,) = self.launcher.launch([overrides], initial_job_idx=trial.number)
-            try:
-                value = float(result.return_value)  # re-raises the job's error, if any
-            except Exception as error:
-                log.error("trial %d failed: %s", trial.number, error)
-                study.tell(trial, state=TrialState.FAIL)
-                continue
-            study.tell(trial, value)
-            log.info(
-                "trial %d: %s = %.6f with %s", trial.number, self.direction, value, trial.params
-            )
+            if not self._reuse_duplicate(study, trial):
+                self._run_trial(study, trial.number, trial.params, arguments)
         return self._report(study, sweep_dir)
+
+    def _run_trial(
+        self, study: optuna.Study, number: int, params: Mapping[str, Any], arguments: list[str]
+    ) -> None:
+        """Trial ``number`` as Hydra job ``number`` (its folder), its result told to the study."""
+        overrides = [*arguments, *(f"{name}={value}" for name, value in params.items())]
+        self.validate_batch_is_legal([overrides])
+        (result,) = self.launcher.launch([overrides], initial_job_idx=number)
+        try:
+            value = float(result.return_value)  # re-raises the job's error, if any
+        except Exception as error:
+            log.error("trial %d failed: %s", number, error)
+            study.tell(number, state=TrialState.FAIL)
+            return
+        study.tell(number, value)
+        log.info("trial %d: %s = %.6f with %s", number, self.direction, value, dict(params))
+
+    @staticmethod
+    def _interrupted(study: optuna.Study, sweep_dir: Path) -> list[optuna.trial.FrozenTrial]:
+        """Trials an earlier run of this sweep started in this folder and never finished (the
+        sweep was killed): run again as the same job, they resume from its checkpoint."""
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        return [t for t in running if (sweep_dir / str(t.number) / JOB_FILE).is_file()]
 
     def _open_study(self) -> optuna.Study:
         """The stored study, or a new one (Optuna says so) if there is none yet."""
