@@ -216,7 +216,7 @@ def test_a_killed_optuna_search_run_again_resumes_its_unfinished_trial(
     the value of an uninterrupted trial."""
     # seed=7: the first trial draws data.batch_size=64, 5 steps an epoch on the tiny data.
     args = [*sweep_overrides(tiny_root), "hparams_search=convnet_optuna", "seed=7",
-            "trainer.max_epochs=3", "callbacks.checkpoint.every_n_train_steps=2",
+            "trainer.max_epochs=2", "callbacks.checkpoint.every_n_train_steps=2",
             "hydra.sweeper.n_trials=1"]  # fmt: skip
     (tmp_path / "ref").mkdir()  # its own optuna.db
     run_entry("train", "-m", *args, "hydra.sweep.dir=reference", cwd=tmp_path / "ref")
