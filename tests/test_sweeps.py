@@ -3,13 +3,19 @@
 Typed as a user types them: the sweep folder is Hydra's default, ``outputs/train/multiruns/<time>``
 (only the failure test places it, to plant the fault)."""
 
+import contextlib
 import csv
 import json
 import os
+import random
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import optuna
+import psutil
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -166,46 +172,58 @@ def test_a_seed_sweep_nests_its_runs_under_a_parent_that_sums_them_up(
     assert [float(r["test/acc"]) for r in rows] == [m["test/acc"] for m in metrics]
 
 
-@pytest.mark.slow
-def test_a_killed_sweep_run_again_skips_finished_jobs_and_resumes_the_rest(
+def kill_process_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process and every process it started, at once: a lost node gives no signal."""
+    tree = psutil.Process(proc.pid)
+    for each in [tree, *tree.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            each.kill()
+    proc.wait()
+
+
+def test_a_sweep_killed_anywhere_run_again_ends_as_the_uninterrupted_sweep(
     tiny_root: Path, tmp_path: Path
 ) -> None:
-    """The same -m command, run again in the same sweep folder after a SIGKILL (no signal, no
-    clean-up), ends as the uninterrupted sweep; run once more, it trains nothing."""
-    args = [*sweep_overrides(tiny_root), "trainer.max_epochs=3", "seed=1,2",
-            "callbacks.checkpoint.every_n_train_steps=4"]  # fmt: skip
+    """A 4-job sweep (2 of them DDP jobs) SIGKILLed with all its processes at a random moment,
+    then the same -m command in the same folder: every job ends as in the uninterrupted sweep
+    (finished ones read back, interrupted ones resumed); run once more, it trains nothing."""
+    args = [*sweep_overrides(tiny_root), "strategy=ddp", "devices=1,2",
+            "seed=1,2", "callbacks.checkpoint.every_n_train_steps=4"]  # fmt: skip
+    started = time.monotonic()
     run_entry("train", "-m", *args, "hydra.sweep.dir=reference", cwd=tmp_path)
-    env = {
-        "PYTHONPATH": os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)]),
-        "SIGNAL_AT_STEP": "17:SIGKILL",
-    }  # job 0, mid-epoch, after its step-16 checkpoint
-    killed = run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path, check=False,
-                       env=env)  # fmt: skip
-    assert killed.returncode == -9 and not (tmp_path / "sweep" / "1").exists()
-    again = run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path)
-    assert "finished in an earlier run" not in again.stdout
-    for job in ("0", "1"):
+    delay = random.uniform(0.1, 0.9) * (time.monotonic() - started)
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "src.train", "-m", *args, "hydra.sweep.dir=sweep"], cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        sweep.wait(timeout=delay)
+    kill_process_tree(sweep)
+    where = f"killed {delay:.1f} s after the sweep started"
+    run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path)
+    for job in ("0", "1", "2", "3"):
         expected = torch.load(
             tmp_path / "reference" / job / "checkpoints/last.ckpt", weights_only=True
         )
         resumed = torch.load(tmp_path / "sweep" / job / "checkpoints/last.ckpt", weights_only=True)
-        assert_same_tensors(resumed["state_dict"], expected["state_dict"], f"job {job}")
+        assert_same_tensors(resumed["state_dict"], expected["state_dict"], f"job {job}, {where}")
         reference = read_metrics(tmp_path / "reference" / job)
         for key, value in read_metrics(tmp_path / "sweep" / job).items():
-            assert value == pytest.approx(reference[key], rel=1e-5, abs=1e-6), (job, key)
+            assert value == pytest.approx(reference[key], rel=1e-5, abs=1e-6), (job, key, where)
     once_more = run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path)
-    assert once_more.stdout.count("finished in an earlier run") == 2
+    assert once_more.stdout.count("finished in an earlier run") == 4, where
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs(
         [client.get_experiment_by_name("mnist").experiment_id], "tags.task = 'train'"
     )
-    assert len(runs) == 2 + 2, "the reference's two runs and the sweep's two, continued"
-    assert all(run.info.status == "FINISHED" for run in runs)
+    assert len(runs) == 4 + 4, f"the reference's runs and the sweep's, continued; {where}"
+    assert all(run.info.status == "FINISHED" for run in runs), where
     parents = client.search_runs([runs[0].info.experiment_id], "tags.`sweep.parent` = 'sweep'")
-    assert len(parents) == 1, "run again, the sweep continues its parent run"
+    assert len(parents) == 1, f"run again, the sweep continues its parent run; {where}"
     assert {
         r.data.tags["mlflow.parentRunId"] for r in runs if r.data.tags["sweep.id"] == "sweep"
-    } == {parents[0].info.run_id}
+    } == {parents[0].info.run_id}, where
 
 
 def test_a_killed_optuna_search_run_again_resumes_its_unfinished_trial(
