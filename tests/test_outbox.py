@@ -206,6 +206,9 @@ def test_a_job_killed_during_an_outage_loses_nothing_it_logged(server, job_facto
                           env=slow_job_env())  # fmt: skip
         wait_for(lambda: (job.run_dir / "mlflow_run_id.txt").exists(), "the run")
     wait_for(lambda: epochs_queued(job.run_dir) >= 2, "two epochs")
+    # Frozen, not yet killed: src.sync takes seconds to start, and a busy machine would let
+    # the job finish its epochs meanwhile (then its run is rightly FINISHED, not FAILED).
+    os.killpg(job.proc.pid, signal.SIGSTOP)
     busy = sync(job.run_dir)
     assert busy.returncode == 1 and "is being sent by a running job" in busy.stderr
     os.killpg(job.proc.pid, signal.SIGKILL)
