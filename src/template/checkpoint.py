@@ -1,18 +1,5 @@
-"""Checkpoint files: written atomically, kept (best and last), checked before a job relies on one.
-
-* :class:`AtomicCheckpointIO` writes every ``.ckpt`` to a temporary file beside its target,
-  syncs it and renames it over the target: a crash, SIGKILL or full disk leaves the previous
-  file whole. (Lightning's default stages the file in the system temp folder and moves it,
-  which is a plain copy when that folder is on another filesystem.)
-* :class:`BestCheckpoint` keeps the best checkpoint so far when a run resumes into a new output
-  folder (Lightning forgets it there, and would call the first resumed epoch the best).
-* :class:`LastCheckpoint` writes ``last.ckpt`` at epoch ends and mid-epoch, at a training step's
-  end (the point Lightning resumes from).
-* :func:`resume_path` turns ``ckpt_path=auto`` into the output folder's ``last.ckpt``, if any.
-* :func:`read_checkpoint` and :func:`check_fits` refuse a missing file, a file that is not a
-  training checkpoint, or one of other data or another model shape before any work starts,
-  naming the layer or the config keys that differ.
-"""
+"""Checkpoint files: written atomically, kept (best and last) across resumes into another
+folder, and checked before a job relies on one, naming the layer or config keys that differ."""
 
 import os
 import shutil
@@ -36,14 +23,12 @@ class CheckpointError(ValueError):
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    """``write`` to ``.<name>.<random>.tmp`` beside ``path``, fsync, then rename over ``path``:
-    a reader (another rank) sees the old file or the new one, never a half-written one."""
+    """``write`` to a temporary file beside ``path``, fsync, rename it over ``path``: a reader
+    (another rank) or a crash sees the old file or the new one, never part of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    # os.open applies the umask to 0o666, as open() does for the final file.
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "wb") as file:
+        with temp.open("xb") as file:
             write(file)
             file.flush()
             os.fsync(file.fileno())
@@ -59,7 +44,8 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Every local ``.ckpt`` written by :func:`write_atomically`."""
+    """Local ``.ckpt`` files by :func:`write_atomically`. (Lightning's default stages them in
+    the system temp folder: a plain copy where that is another filesystem.)"""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None
@@ -70,20 +56,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def copy_atomically(source: Path, target: Path) -> None:
-    """``source`` to ``target`` unless already copied (same size and time, as copy2 keeps)."""
-    if target.is_file():
-        old, new = source.stat(), target.stat()
-        if (old.st_size, old.st_mtime_ns) == (new.st_size, new.st_mtime_ns):
-            return
+    """``source`` to ``target`` unless already copied (same size and time, as copystat keeps)."""
+    old, new = source.stat(), target.stat() if target.is_file() else None
+    if new and (old.st_size, old.st_mtime_ns) == (new.st_size, new.st_mtime_ns):
+        return
     with source.open("rb") as file:
         write_atomically(target, lambda out: shutil.copyfileobj(file, out))
     shutil.copystat(source, target)
 
 
-class FixedStateKey:
-    """For a ModelCheckpoint: its ``state_key`` built once. Lightning reads every callback's key
-    at every hook call of every step (to name a profiler action), and a ModelCheckpoint builds
-    its key anew each time from settings fixed once it is built."""
+class EpochEndCheckpoint(ModelCheckpoint):
+    """Saves at the end of whole epochs only (not one cut short by ``max_steps``), with its
+    ``state_key`` built once: Lightning reads it at every hook call of every step, and
+    ModelCheckpoint builds it anew each time from settings that never change."""
 
     @property
     def state_key(self) -> str:
@@ -91,11 +76,14 @@ class FixedStateKey:
             self.__dict__["_state_key"] = super().state_key
         return self.__dict__["_state_key"]
 
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if epoch_finished(trainer):
+            super().on_train_epoch_end(trainer, pl_module)
 
-class BestCheckpoint(FixedStateKey, ModelCheckpoint):
-    """Lightning's top-k checkpointing that survives a resume into another folder: the best
-    files so far are copied into this job's folder and tracked as if written there, so the
-    best score, the best file and the test of the best model match an uninterrupted run."""
+
+class BestCheckpoint(EpochEndCheckpoint):
+    """Top-k checkpointing that survives a resume into another folder: the best files so far
+    are copied there and tracked as if written there (Lightning would forget them)."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         old, new = state_dict.get("dirpath"), self.dirpath
@@ -119,16 +107,11 @@ class BestCheckpoint(FixedStateKey, ModelCheckpoint):
             rank_zero_warn(f"best checkpoints of {old} are gone; the best starts afresh")
         super().load_state_dict(state_dict)
 
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if epoch_finished(trainer):  # not an epoch cut short by max_steps
-            super().on_train_epoch_end(trainer, pl_module)
 
-
-class LastCheckpoint(FixedStateKey, ModelCheckpoint):
-    """Writes ``last.ckpt`` at every epoch end (Lightning's ``save_last`` only writes when a
-    new best was saved) and, mid-epoch, every ``every_n_train_steps`` steps and at the step
-    ``max_steps`` ends on. A step that ends an epoch is left to the epoch-end checkpoint, so
-    its validation is never skipped. It has no state worth restoring: the file is rewritten."""
+class LastCheckpoint(EpochEndCheckpoint):
+    """``last.ckpt`` at every epoch end (``save_last`` writes only with a new best) and, mid-epoch,
+    every ``every_n_train_steps`` steps and at ``max_steps``. A step that ends an epoch is left to
+    the epoch end, so its validation is never skipped. No state: the file is rewritten."""
 
     def __init__(self, dirpath: Path, every_n_train_steps: int | None = None) -> None:
         super().__init__(
@@ -137,25 +120,15 @@ class LastCheckpoint(FixedStateKey, ModelCheckpoint):
         )  # fmt: skip
         self.every_n_steps = every_n_train_steps or 0
 
-    @property
-    def path(self) -> Path:
-        return Path(self.dirpath) / "last.ckpt"
-
     def save_now(self, trainer: L.Trainer) -> None:
         """Write ``last.ckpt`` now; every rank calls it at the same step."""
-        trainer.save_checkpoint(self.path, weights_only=False)
+        trainer.save_checkpoint(Path(self.dirpath) / "last.ckpt", weights_only=False)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if epoch_finished(trainer):
-            return
-        step = trainer.global_step
-        periodic = self.every_n_steps > 0 and step % self.every_n_steps == 0
-        if periodic or step == trainer.max_steps:
+        step, every = trainer.global_step, self.every_n_steps
+        due = (every > 0 and step % every == 0) or step == trainer.max_steps
+        if due and not epoch_finished(trainer):
             self.save_now(trainer)
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if epoch_finished(trainer):
-            super().on_train_epoch_end(trainer, pl_module)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
@@ -183,11 +156,10 @@ def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:
         raise CheckpointError(
             "ckpt_path is required, e.g. ckpt_path=outputs/train/runs/<time>/checkpoints/last.ckpt"
         )
-    path = Path(ckpt_path)
-    if not path.is_file():
+    if not Path(ckpt_path).is_file():
         raise CheckpointError(f"ckpt_path={ckpt_path}: no such file")
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+        saved = torch.load(ckpt_path, map_location="cpu", weights_only=True)
     except Exception as error:
         reason = str(error).strip().splitlines()[0][:160]
         raise CheckpointError(
@@ -207,14 +179,8 @@ def check_fits(
 ) -> None:
     """Refuse to resume from a checkpoint of another dataset, data settings (image size,
     channels, validation split, ...), network or kind (weights only)."""
-    name = Path(path).name
-    check_dataset(saved, datamodule.hparams.name, name)
-    trained = saved.get("datamodule_hyper_parameters", {})
-    differing = data_differences(trained, datamodule.hparams, type(datamodule).CONTENT_KEYS)
-    if differing:
-        raise CheckpointError(
-            f"{name} was trained with {', '.join(differing)}; resume with the same data settings"
-        )
+    name, keys = Path(path).name, ("name", *type(datamodule).CONTENT_KEYS)
+    check_same_data(saved, datamodule.hparams, keys, name, "resume with the same data settings")
     datamodule.load_state_dict(saved.get(type(datamodule).__qualname__, {}))  # same classes
     check_weights_fit(saved, model.state_dict(), name, model.hparams)
     if "optimizer_states" not in saved or "loops" not in saved:
@@ -224,59 +190,57 @@ def check_fits(
         )
 
 
-def check_dataset(saved: Mapping[str, Any], data_name: str, name: str) -> None:
-    trained_on = saved.get("datamodule_hyper_parameters", {}).get("name")
-    if trained_on and trained_on != data_name:
+def check_same_data(
+    saved: Mapping[str, Any], data: Mapping[str, Any], keys: Iterable[str], name: str, fix: str
+) -> None:
+    """Refuse a checkpoint trained on another dataset or with other values of ``keys``."""
+    trained = saved.get("datamodule_hyper_parameters", {})
+    if "name" in keys and trained.get("name") and trained["name"] != data["name"]:
         raise CheckpointError(
-            f"{name} was trained on {trained_on} but data={data_name}; add data={trained_on}"
+            f"{name} was trained on {trained['name']} but data={data['name']}; "
+            f"add data={trained['name']}"
         )
+    differing = differences(trained, data, keys, "data")
+    if differing:
+        raise CheckpointError(f"{name} was trained with {', '.join(differing)}; {fix}")
 
 
 def check_weights_fit(
-    saved: Mapping[str, Any],
-    expected: Mapping[str, torch.Tensor],
-    name: str,
-    hparams: Mapping[str, Any],
+    saved: Mapping[str, Any], expected: Mapping[str, torch.Tensor], name: str, hparams: Any
 ) -> None:
     """Name the first tensor that is missing, unexpected or of another shape, and the config
     keys of the model that explain it."""
     found = saved["state_dict"]
-    problem = next(
-        (
-            f"layer {key} is {tuple(found[key].shape)} in the checkpoint but "
-            f"{tuple(tensor.shape)} in this model"
-            for key, tensor in expected.items()
-            if key in found and found[key].shape != tensor.shape
-        ),
-        None,
-    )
+    shapes = [
+        f"layer {key} is {tuple(found[key].shape)} in the checkpoint but "
+        f"{tuple(tensor.shape)} in this model"
+        for key, tensor in expected.items()
+        if key in found and found[key].shape != tensor.shape
+    ]
     missing = [key for key in expected if key not in found]
     unexpected = [key for key in found if key not in expected]
-    if problem is None and (missing or unexpected):
-        problem = f"tensors missing: {missing[:3]}, not in this model: {unexpected[:3]}"
-    if problem is None:
+    if not (shapes or missing or unexpected):
         return
+    problem = shapes[0] if shapes else (
+        f"tensors missing: {missing[:3]}, not in this model: {unexpected[:3]}"
+    )  # fmt: skip
     theirs, ours = flatten(saved.get("hyper_parameters", {})), flatten(hparams)
-    differing = [
-        f"model.{key}={theirs[key]} (here {ours[key]})"
-        for key in theirs
-        if key in ours and plain(theirs[key]) != plain(ours[key])
-    ]
+    differing = differences(theirs, ours, theirs, "model")
     hint = f"; the checkpoint was trained with {', '.join(differing)}" if differing else ""
     raise CheckpointError(f"{name} does not fit this model: {problem}{hint}")
 
 
-def plain(value: Any) -> Any:
-    """Lists and tuples compare equal when their items do (a config list, a saved tuple)."""
-    return [plain(item) for item in value] if isinstance(value, list | tuple) else value
-
-
-def data_differences(
-    trained: Mapping[str, Any], current: Mapping[str, Any], keys: Iterable[str]
+def differences(
+    trained: Mapping[str, Any], current: Mapping[str, Any], keys: Iterable[str], section: str
 ) -> list[str]:
-    """``data.<key>=<trained> (here <current>)`` for each of ``keys`` whose values differ."""
+    """``<section>.<key>=<trained> (here <current>)`` for each of ``keys`` that differs (a
+    config list equals a saved tuple of the same items)."""
     return [
-        f"data.{key}={trained[key]} (here {current[key]})"
+        f"{section}.{key}={trained[key]} (here {current[key]})"
         for key in keys
-        if key in trained and plain(trained[key]) != plain(current[key])
+        if key in trained and key in current and plain(trained[key]) != plain(current[key])
     ]
+
+
+def plain(value: Any) -> Any:
+    return [plain(item) for item in value] if isinstance(value, list | tuple) else value

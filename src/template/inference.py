@@ -1,12 +1,9 @@
-"""Loading a trained model and its data for eval and predict, from the checkpoint alone.
-
-Checkpoints hold plain values only, so they load with ``weights_only=True``; the model is rebuilt
-from its saved hyperparameters and the data from the checkpoint's data settings.
-"""
+"""Loading a trained model and its data for eval and predict, from the checkpoint alone: the
+model from its saved hyperparameters, the data from its saved data settings."""
 
 import inspect
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,29 +13,38 @@ from torchmetrics import Metric
 
 from src.template.checkpoint import (
     CheckpointError,
-    check_dataset,
+    check_same_data,
     check_weights_fit,
-    data_differences,
     read_checkpoint,
 )
 from src.template.task import Task
 
 
 def model_from_checkpoint(saved: Mapping[str, Any], name: str, task: Task) -> L.LightningModule:
-    """Rebuild the trained model from a checkpoint's own hyperparameters.
-
-    A checkpoint from an older config may lack keys added since: they take today's defaults
-    (with a warning naming them). Keys this code no longer knows, or a missing key that has no
-    default, are refused by name (``task.config_targets`` says what to compare against).
-    Not ``load_from_checkpoint``: its errors name tensors, not the config keys behind them.
-    """
+    """The trained model, rebuilt from the checkpoint's hyperparameters. Keys added since take
+    today's defaults (with a warning); keys this code does not know, or lacks without a default,
+    are refused by name (``load_from_checkpoint`` would name tensors, not config keys)."""
     hparams = dict(saved.get("hyper_parameters", {}))
     unknown, missing, defaulted = [], [], []
-    for section, (target, set_by) in task.config_targets(hparams).items():
+    for section, (target, set_by_data) in task.config_targets(hparams).items():
         values = OmegaConf.select(OmegaConf.create({"model": hparams}), section) or {}
         prefix = section.removeprefix("model").lstrip(".")
-        found = compare_keys(values, target, f"{prefix}." if prefix else "", set_by)
-        unknown, missing, defaulted = unknown + found[0], missing + found[1], defaulted + found[2]
+        prefix += "." if prefix else ""
+        defaults = {
+            key: parameter.default
+            for key, parameter in inspect.signature(target).parameters.items()
+            if key not in ("self", *set_by_data)
+        }
+        unknown += [
+            prefix + k for k in values if k not in defaults and k not in ("name", *set_by_data)
+        ]
+        absent = [key for key in defaults if key not in values]
+        missing += [prefix + k for k in absent if defaults[k] is inspect.Parameter.empty]
+        defaulted += [
+            f"{prefix}{k}={defaults[k]}"
+            for k in absent
+            if defaults[k] is not inspect.Parameter.empty
+        ]
     problems = [f"keys this code does not know: {', '.join(unknown)}"] if unknown else []
     problems += [f"keys it lacks: {', '.join(missing)}"] if missing else []
     if problems:
@@ -63,70 +69,24 @@ def model_from_checkpoint(saved: Mapping[str, Any], name: str, task: Task) -> L.
     return model
 
 
-def compare_keys(
-    values: Mapping[str, Any], target: Callable, prefix: str, set_by_data: tuple[str, ...]
-) -> tuple[list[str], list[str], list[str]]:
-    """(unknown, missing without default, missing with default) keys of ``target``'s init;
-    ``name`` (which network) and keys set from the data are not config keys of ``target``."""
-    parameters = dict(inspect.signature(target).parameters)
-    parameters.pop("self", None)
-    for key in set_by_data:
-        parameters.pop(key, None)
-    unknown = [prefix + key for key in values if key not in parameters and key != "name"]
-    unknown = [key for key in unknown if key.removeprefix(prefix) not in set_by_data]
-    absent = [key for key in parameters if key not in values]
-    missing = [prefix + key for key in absent if parameters[key].default is inspect.Parameter.empty]
-    defaulted = [
-        f"{prefix}{key}={parameters[key].default}"
-        for key in absent
-        if parameters[key].default is not inspect.Parameter.empty
-    ]
-    return unknown, missing, defaulted
-
-
-def data_for_inference(
-    saved: Mapping[str, Any],
-    data: Mapping[str, Any],
-    typed: set[str],
-    task: Task,
-    name: str,
-) -> dict[str, Any]:
-    """The data settings eval and predict use: the checkpoint's (what the data is and where it
-    was), except the keys the command typed (``data.root=...``, ``data.batch_size=...``). A
-    typed key that changes what the data is (``CONTENT_KEYS``: image size, channels, the
-    validation split, ...) is refused: the model was trained on the checkpoint's."""
-    trained = saved.get("datamodule_hyper_parameters")
-    if not trained:  # written before checkpoints held their data settings
-        return dict(data)
-    if typed & {"", "name"}:  # the command chose a dataset: it must be the checkpoint's
-        check_dataset(saved, data["name"], name)
-    typed_content = [k for k in task.datamodule_class(trained["name"]).CONTENT_KEYS if k in typed]
-    differing = data_differences(trained, data, typed_content)
-    if differing:
-        raise CheckpointError(
-            f"{name} was trained with {', '.join(differing)}; eval and predict use the "
-            "checkpoint's data settings: leave these out"
-        )
-    # Keys newer than the checkpoint come from the command's config of the same dataset.
-    base = dict(data) if data.get("name") == trained["name"] else {}
-    return {**base, **trained, **{key: data[key] for key in typed if key in data}}
-
-
 def load_for_inference(
-    ckpt_path: str | None,
-    data: Mapping[str, Any],
-    typed: set[str],
-    task: Task,
+    ckpt_path: str | None, data: Mapping[str, Any], typed: set[str], task: Task
 ) -> tuple[L.LightningModule, L.LightningDataModule, dict[str, str] | None]:
-    """The checkpoint's model, a data module with the checkpoint's data settings (see
-    :func:`data_for_inference`; ``typed``: the ``data`` keys the command set) and the MLflow
-    run the checkpoint came from, if it was tracked.
-
-    Checkpoints hold plain values only, so they load with ``weights_only=True``.
-    """
+    """The checkpoint's model, a data module and the MLflow run the checkpoint came from (if
+    tracked). The data settings are the checkpoint's, except the keys the command typed
+    (``typed``: ``data.root=...``); typing one that changes what the data is is refused."""
     saved = read_checkpoint(ckpt_path)
     name = Path(ckpt_path).name
-    values = data_for_inference(saved, data, typed, task, name)
+    values = dict(data)
+    if trained := saved.get("datamodule_hyper_parameters"):  # none: an older checkpoint
+        content = task.datamodule_class(trained["name"]).CONTENT_KEYS
+        chosen = typed | ({"name"} if "" in typed else set())  # "": the command chose data=
+        keys = [key for key in ("name", *content) if key in chosen]
+        fix = "eval and predict use the checkpoint's data settings: leave these out"
+        check_same_data(saved, data, keys, name, fix)
+        # Keys newer than the checkpoint come from the command's config of the same dataset.
+        base = values if data.get("name") == trained["name"] else {}
+        values = {**base, **trained, **{key: data[key] for key in typed if key in data}}
     model = model_from_checkpoint(saved, name, task)
     datamodule = task.datamodule_class(values["name"])(**values)
     # Lightning saves the DataModule's state under its class name.
