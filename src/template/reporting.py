@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from src.template.sweeps import SweepFolderTaken, check_same_sweep, in_multirun
+from src.template.sweeps import in_multirun, sweep_overrides
 from src.template.task import Task
 
 console = Console()
@@ -53,19 +53,24 @@ _created_by_this_job: Path | None = None  # the top-most output folder this run 
 
 class CheckOutputFolder(HydraCallback):
     """One line with the fix, before anything is written, where Hydra would end in a traceback
-    creating the output folder, or a sweep folder holds another sweep."""
+    creating the output folder."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         global _created_by_this_job
         _created_by_this_job = check_writable(Path(config.hydra.run.dir).absolute())
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        check_writable(Path(config.hydra.sweep.dir))
-        try:  # Hydra turns an exception raised here into a warning
-            check_same_sweep(Path(config.hydra.sweep.dir), config.hydra.overrides.task)
-        except SweepFolderTaken as error:
-            show_error(str(error))
-            raise SystemExit(1) from None
+        """A sweep folder is run again only by its own sweep's command, so each job folder
+        holds that job's earlier run (an exception here, Hydra would turn into a warning)."""
+        folder = Path(config.hydra.sweep.dir)
+        check_writable(folder)
+        earlier = sweep_overrides(folder) if (folder / "multirun.yaml").is_file() else None
+        if earlier is not None and earlier != list(config.hydra.overrides.task):
+            show_error(
+                f"{folder} holds another sweep ({' '.join(earlier) or 'no overrides'}); run this "
+                "one in a new folder (leave out hydra.sweep.dir) or that sweep's command again"
+            )
+            raise SystemExit(1)
 
 
 def check_writable(folder: Path) -> Path | None:

@@ -28,7 +28,7 @@ class SweepJobFailed(RuntimeError):
 
 
 class SweepFolderTaken(RuntimeError):
-    """A sweep (job) folder holds another sweep's output."""
+    """A sweep job's folder holds another sweep's output."""
 
 
 def in_multirun() -> bool:
@@ -76,17 +76,6 @@ def record_job(output_dir: Path, **result: float | None) -> None:
 def sweep_overrides(folder: Path) -> list[str]:
     """The overrides of the command that started the sweep in ``folder`` (its multirun.yaml)."""
     return list(OmegaConf.load(folder / "multirun.yaml").hydra.overrides.task)
-
-
-def check_same_sweep(folder: Path, overrides: Sequence[str]) -> None:
-    """A sweep folder is run again only by its own sweep's command, so each job folder holds
-    that job's earlier run."""
-    earlier = sweep_overrides(folder) if (folder / "multirun.yaml").is_file() else None
-    if earlier is not None and earlier != list(overrides):
-        raise SweepFolderTaken(
-            f"{folder} holds another sweep ({' '.join(earlier) or 'no overrides'}); run this "
-            "one in a new folder (leave out hydra.sweep.dir) or that sweep's command again"
-        )
 
 
 def varied_overrides(job: Sequence[str], command: Sequence[str]) -> list[str]:
