@@ -8,6 +8,7 @@ import shutil
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -56,8 +57,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None
     ) -> None:
-        if "://" in str(path):  # remote storage: Lightning's fsspec writer
-            return super().save_checkpoint(checkpoint, path, storage_options)
         write_atomically(Path(path), lambda file: torch.save(checkpoint, file))
 
 
@@ -72,15 +71,11 @@ def copy_atomically(source: Path, target: Path) -> None:
 
 
 class EpochEndCheckpoint(ModelCheckpoint):
-    """Saves at the end of whole epochs only (not one cut short by ``max_steps``), with its
-    ``state_key`` built once: Lightning reads it at every hook call of every step, and
-    ModelCheckpoint builds it anew each time from settings that never change."""
+    """Saves at the end of whole epochs only (not of one cut short by ``max_steps``)."""
 
-    @property
-    def state_key(self) -> str:
-        if "_state_key" not in self.__dict__:
-            self.__dict__["_state_key"] = super().state_key
-        return self.__dict__["_state_key"]
+    # Built once: Lightning reads it at every hook call of every step, and ModelCheckpoint
+    # builds it anew each time from settings that never change.
+    state_key = cached_property(ModelCheckpoint.state_key.fget)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if epoch_finished(trainer):
@@ -239,8 +234,7 @@ def check_weights_fit(
 def differences(
     trained: Mapping[str, Any], current: Mapping[str, Any], keys: Iterable[str], section: str
 ) -> list[str]:
-    """``<section>.<key>=<trained> (here <current>)`` for each of ``keys`` that differs (a
-    config list equals a saved tuple of the same items)."""
+    """``<section>.<key>=<trained> (here <current>)`` for each of ``keys`` that differs."""
     return [
         f"{section}.{key}={trained[key]} (here {current[key]})"
         for key in keys
@@ -249,6 +243,7 @@ def differences(
 
 
 def plain(value: Any) -> Any:
+    """Lists and tuples compare equal when their items do (a config list, a saved tuple)."""
     return [plain(item) for item in value] if isinstance(value, list | tuple) else value
 
 
@@ -257,26 +252,16 @@ def model_from_checkpoint(saved: Mapping[str, Any], name: str, task: Task) -> L.
     today's defaults (with a warning); keys this code does not know, or lacks without a default,
     are refused by name (``load_from_checkpoint`` would name tensors, not config keys)."""
     hparams = dict(saved.get("hyper_parameters", {}))
-    unknown, missing, defaulted = [], [], []
+    unknown, missing, defaulted, empty = [], [], [], inspect.Parameter.empty
     for section, (target, set_by_data) in task.config_targets(hparams).items():
         values = OmegaConf.select(OmegaConf.create({"model": hparams}), section) or {}
-        prefix = section.removeprefix("model").lstrip(".")
-        prefix += "." if prefix else ""
-        defaults = {
-            key: parameter.default
-            for key, parameter in inspect.signature(target).parameters.items()
-            if key not in ("self", *set_by_data)
-        }
-        unknown += [
-            prefix + k for k in values if k not in defaults and k not in ("name", *set_by_data)
-        ]
+        prefix = f"{section}.".removeprefix("model.")  # model.net -> net.
+        params = inspect.signature(target).parameters.items()
+        defaults = {k: p.default for k, p in params if k not in ("self", *set_by_data)}
+        unknown += [prefix + k for k in values if k not in (*defaults, "name", *set_by_data)]
         absent = [key for key in defaults if key not in values]
-        missing += [prefix + k for k in absent if defaults[k] is inspect.Parameter.empty]
-        defaulted += [
-            f"{prefix}{k}={defaults[k]}"
-            for k in absent
-            if defaults[k] is not inspect.Parameter.empty
-        ]
+        missing += [prefix + k for k in absent if defaults[k] is empty]
+        defaulted += [f"{prefix}{k}={defaults[k]}" for k in absent if defaults[k] is not empty]
     problems = [f"keys this code does not know: {', '.join(unknown)}"] if unknown else []
     problems += [f"keys it lacks: {', '.join(missing)}"] if missing else []
     if problems:
