@@ -1,7 +1,6 @@
-"""The data contract: a :class:`TensorDataModule` subclass implements :meth:`~TensorDataModule.read`
-(may override ``check`` and ``transform``), saves its config as hyperparameters and sets
-``source``. The base class carves validation, fetches whole batches, and builds loaders whose
-results do not depend on the number of devices."""
+"""The data contract: a :class:`TensorDataModule` subclass implements ``read`` (may override
+``check`` and ``transform``), saves its config as hyperparameters and sets ``source``; the base
+class carves validation, fetches whole batches, and builds loaders exact for any device count."""
 
 import copy
 import hashlib

@@ -25,8 +25,7 @@ from rich.table import Table
 from src.template.sweeps import in_multirun, sweep_overrides
 from src.template.task import Task
 
-console = Console()
-errors = Console(stderr=True)
+console, errors = Console(), Console(stderr=True)
 
 
 @contextmanager
@@ -52,8 +51,7 @@ _created_by_this_job: Path | None = None  # the top-most output folder this run 
 
 
 class CheckOutputFolder(HydraCallback):
-    """One line with the fix, before anything is written, where Hydra would end in a traceback
-    creating the output folder."""
+    """One line with the fix where Hydra would end in a traceback creating the output folder."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         global _created_by_this_job
@@ -161,9 +159,8 @@ def report_metrics(metrics: Mapping[str, float], output_dir: str | Path) -> None
 
 
 class PredictionWriter(BasePredictionWriter):
-    """All ranks' predictions as one CSV in dataset order: ``predict_step`` returns a dict of 1-D
-    tensors with an ``index`` column; rank 0 gathers them, sorts by ``index`` and lets the task's
-    ``columns`` turn them into the CSV's columns and metrics."""
+    """All ranks' ``predict_step`` outputs (dicts of 1-D tensors with an ``index``) as one CSV in
+    dataset order; the task's ``columns`` turn them into the CSV's columns and metrics."""
 
     def __init__(self, path: Path, columns: Callable | None, datamodule: Any) -> None:
         super().__init__(write_interval="epoch")

@@ -18,10 +18,8 @@ from torchmetrics import Metric
 
 
 class GlobalBatchSampler(DistributedSampler):
-    """Shuffles with ``seed + epoch``, cuts the order into global batches (the incomplete last
-    one dropped) and gives rank ``r`` the ``r``-th equal part of each: the same global batches
-    for every world size. :meth:`resume_at` skips the batches a resumed epoch already trained.
-    """
+    """Shuffles with ``seed + epoch``, cuts the order into global batches (the incomplete last one
+    dropped), rank ``r`` taking the ``r``-th equal part of each: the same for any world size."""
 
     def __init__(
         self, dataset: Dataset, num_replicas: int, rank: int, global_batch_size: int, seed: int
@@ -39,9 +37,8 @@ class GlobalBatchSampler(DistributedSampler):
         self.resume_epoch, self.batches_done = 0, 0
 
     def resume_at(self, epoch: int, batches_done: int) -> None:
-        """Start at ``epoch``, whose first ``batches_done`` global batches were trained. Called
-        when the loader is built: Lightning makes the first iterator (and workers prefetch from
-        it) before it calls ``set_epoch``."""
+        """Start at ``epoch``, whose first ``batches_done`` global batches were trained (set when
+        the loader is built: workers prefetch before Lightning calls ``set_epoch``)."""
         self.set_epoch(epoch)
         self.resume_epoch, self.batches_done = epoch, batches_done
 
@@ -70,10 +67,8 @@ def resume_position(trainer: L.Trainer | None) -> tuple[int, int]:
 
 
 class MidEpochState(Callback):
-    """The epoch's torchmetrics states so far, in mid-epoch checkpoints (Lightning restores
-    neither them nor per-rank states). Reduced over ranks at the save; on resume rank 0 holds
-    the sums and the others start empty, so the epoch's ``compute()`` is the uninterrupted one.
-    """
+    """The epoch's torchmetrics states so far, reduced over ranks, in mid-epoch checkpoints
+    (Lightning restores neither); on resume rank 0 holds the sums, the other ranks start empty."""
 
     def __init__(self) -> None:
         self.loaded: dict[str, dict[str, Any]] = {}

@@ -98,10 +98,9 @@ def sweep_command(folder: Path, entry_point: str) -> list[str]:
 
 
 def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:
-    """Run this multirun job as a fresh single-run process tree (its overrides, its folder);
-    return its optimized metric. Lightning starts DDP ranks by re-running the command line (in
-    a multirun: the whole sweep) and SIGKILLs the launcher when a rank fails: right for one job,
-    wrong for a sweep that runs job after job in one process."""
+    """This multirun job as a single-run process tree (its overrides, its folder); its optimized
+    metric. Lightning starts DDP ranks by re-running the command line (here: the whole sweep)
+    and SIGKILLs the launcher when a rank fails: wrong for a sweep run in one process."""
     import __main__
 
     hydra = HydraConfig.get()
