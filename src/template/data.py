@@ -1,6 +1,7 @@
 """The data contract: a :class:`TensorDataModule` subclass implements ``read`` (may override
-``check`` and ``transform``), saves its config as hyperparameters and sets ``source``; the base
-class carves validation, fetches whole batches, and builds loaders exact for any device count."""
+``check`` and ``transform``), saves its config as hyperparameters (the keys
+docs/make-it-yours.md lists) and sets ``source``. The base class carves validation, fetches
+whole batches, and builds loaders whose results do not depend on the number of devices."""
 
 import copy
 import hashlib
@@ -163,8 +164,8 @@ class TensorDataModule(LightningDataModule):
         predict_test = self.predict_split == "test"
         if stage in (None, "fit", "validate") or (stage == "predict" and not predict_test):
             self._load_train()
-        batch, left = self.hparams.batch_size, len(self.train_set or ())
-        if stage in (None, "fit") and batch > left:  # training drops an incomplete last batch
+        batch = self.hparams.batch_size  # training drops an incomplete last global batch
+        if stage in (None, "fit") and batch > (left := len(self.train_set)):
             raise DataError(
                 f"data.batch_size={batch} is larger than the {left} training samples left "
                 f"after data.val_size={self.hparams.val_size}; use e.g. "
