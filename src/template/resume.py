@@ -67,8 +67,8 @@ def resume_position(trainer: L.Trainer | None) -> tuple[int, int]:
 
 
 class MidEpochState(Callback):
-    """The epoch's torchmetrics states so far, reduced over ranks, in mid-epoch checkpoints
-    (Lightning restores neither); on resume rank 0 holds the sums, the other ranks start empty."""
+    """The epoch's torchmetrics states so far (reduced over ranks: exact for sum, max, min and cat
+    states) in mid-epoch checkpoints, which Lightning leaves out; on resume rank 0 holds them."""
 
     def __init__(self) -> None:
         self.loaded: dict[str, dict[str, Any]] = {}
