@@ -161,17 +161,12 @@ def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:
         raise CheckpointError(f"ckpt_path={ckpt_path}: no such file")
     try:
         saved = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        fits = isinstance(saved, dict) and "state_dict" in saved
+        problem = "" if fits else "is not a Lightning checkpoint (no state_dict)"
     except Exception as error:
-        reason = str(error).strip().splitlines()[0][:160]
-        raise CheckpointError(
-            f"ckpt_path={ckpt_path} is not a readable checkpoint ({reason}); "
-            "pass a .ckpt written by src.train"
-        ) from error
-    if not isinstance(saved, dict) or "state_dict" not in saved:
-        raise CheckpointError(
-            f"ckpt_path={ckpt_path} is not a Lightning checkpoint (no state_dict); "
-            "pass a .ckpt written by src.train"
-        )
+        problem = f"is not a readable checkpoint ({str(error).strip().splitlines()[0][:160]})"
+    if problem:
+        raise CheckpointError(f"ckpt_path={ckpt_path} {problem}; pass a .ckpt written by src.train")
     return saved
 
 
