@@ -175,7 +175,7 @@ class PredictionWriter(BasePredictionWriter):
         batch_indices: Sequence[Any],
     ) -> None:
         mine = {key: torch.cat([p[key] for p in predictions]).cpu() for key in predictions[0]}
-        parts = [mine] * trainer.world_size
+        parts = [mine] * trainer.world_size  # all_gather_object fills it in
         if trainer.world_size > 1:
             torch.distributed.all_gather_object(parts, mine)
         if not trainer.is_global_zero:
