@@ -11,8 +11,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.task import TASK
 from src.template import entry, reporting, tracking
+from src.template.checkpoint import load_for_inference
 from src.template.config import check_choice, check_keys, typed_keys
-from src.template.inference import load_for_inference
 from src.template.shutdown import run_lifecycle
 from src.template.task import Task
 from src.template.trainer import build_callbacks, build_trainer, check_settings

@@ -68,7 +68,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         tracking.log_model(
             loggers, cfg.logger, task, model, datamodule, out, trainer.current_epoch, list(tested)
         )
-    sweeps.record_result(out, metrics.get(cfg.optimized_metric))
+    sweeps.record_job(out, result=metrics.get(cfg.optimized_metric))
     sweep_run.summarize(cfg, task.mode)  # a sweep job: the sweep's parent run, updated
     return metrics.get(cfg.optimized_metric)
 

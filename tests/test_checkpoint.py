@@ -19,9 +19,9 @@ from src.template.checkpoint import (
     CheckpointError,
     LastCheckpoint,
     check_fits,
+    load_for_inference,
     read_checkpoint,
 )
-from src.template.inference import load_for_inference
 from src.template.resume import SeedEachBatch
 
 NET = {"channels": [8, 16], "hidden": 32, "dropout": 0.25, "batch_norm": True}

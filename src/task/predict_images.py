@@ -16,9 +16,8 @@ import torch
 
 from src.task.data.image_folder import EXTENSIONS, MODES, decode
 from src.task.data.images import Normalize
-from src.template.checkpoint import read_checkpoint
+from src.template.checkpoint import model_from_checkpoint, read_checkpoint
 from src.template.data import DataError
-from src.template.inference import model_from_checkpoint
 from src.template.task import Task
 
 

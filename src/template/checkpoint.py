@@ -1,23 +1,14 @@
-"""Checkpoint files: written atomically, kept (best and last), checked before a job relies on one.
+"""Checkpoint files: written atomically, kept (best and last) across resumes into another
+folder, checked before a job relies on one (naming the layer or config keys that differ), and
+loaded for eval and predict: the model and its data from the checkpoint alone."""
 
-* :class:`AtomicCheckpointIO` writes every ``.ckpt`` to a temporary file beside its target,
-  syncs it and renames it over the target: a crash, SIGKILL or full disk leaves the previous
-  file whole. (Lightning's default stages the file in the system temp folder and moves it,
-  which is a plain copy when that folder is on another filesystem.)
-* :class:`BestCheckpoint` keeps the best checkpoint so far when a run resumes into a new output
-  folder (Lightning forgets it there, and would call the first resumed epoch the best).
-* :class:`LastCheckpoint` writes ``last.ckpt`` at epoch ends and mid-epoch, at a training step's
-  end (the point Lightning resumes from).
-* :func:`resume_path` turns ``ckpt_path=auto`` into the output folder's ``last.ckpt``, if any.
-* :func:`read_checkpoint` and :func:`check_fits` refuse a missing file, a file that is not a
-  training checkpoint, or one of other data or another model shape before any work starts,
-  naming the layer or the config keys that differ.
-"""
-
+import inspect
 import os
 import shutil
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -26,9 +17,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from omegaconf import OmegaConf
+from torchmetrics import Metric
 
 from src.template.config import flatten
 from src.template.resume import epoch_finished
+from src.template.task import Task
 
 
 class CheckpointError(ValueError):
@@ -36,14 +30,12 @@ class CheckpointError(ValueError):
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    """``write`` to ``.<name>.<random>.tmp`` beside ``path``, fsync, then rename over ``path``:
-    a reader (another rank) sees the old file or the new one, never a half-written one."""
+    """``write`` to a temporary file beside ``path``, fsync, rename it over ``path``: a reader
+    (another rank) or a crash sees the old file or the new one, never part of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    # os.open applies the umask to 0o666, as open() does for the final file.
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "wb") as file:
+        with temp.open("xb") as file:
             write(file)
             file.flush()
             os.fsync(file.fileno())
@@ -59,43 +51,40 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Every local ``.ckpt`` written by :func:`write_atomically`."""
+    """Local ``.ckpt`` files by :func:`write_atomically`. (Lightning's default stages them in
+    the system temp folder: a plain copy where that is another filesystem.)"""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None
     ) -> None:
-        if "://" in str(path):  # remote storage: Lightning's fsspec writer
-            return super().save_checkpoint(checkpoint, path, storage_options)
         write_atomically(Path(path), lambda file: torch.save(checkpoint, file))
 
 
 def copy_atomically(source: Path, target: Path) -> None:
-    """``source`` to ``target`` unless already copied (same size and time, as copy2 keeps)."""
-    if target.is_file():
-        old, new = source.stat(), target.stat()
-        if (old.st_size, old.st_mtime_ns) == (new.st_size, new.st_mtime_ns):
-            return
+    """``source`` to ``target`` unless already copied (same size and time, as copystat keeps)."""
+    old, new = source.stat(), target.stat() if target.is_file() else None
+    if new and (old.st_size, old.st_mtime_ns) == (new.st_size, new.st_mtime_ns):
+        return
     with source.open("rb") as file:
         write_atomically(target, lambda out: shutil.copyfileobj(file, out))
     shutil.copystat(source, target)
 
 
-class FixedStateKey:
-    """For a ModelCheckpoint: its ``state_key`` built once. Lightning reads every callback's key
-    at every hook call of every step (to name a profiler action), and a ModelCheckpoint builds
-    its key anew each time from settings fixed once it is built."""
+class EpochEndCheckpoint(ModelCheckpoint):
+    """Saves at the end of whole epochs only (not of one cut short by ``max_steps``)."""
 
-    @property
-    def state_key(self) -> str:
-        if "_state_key" not in self.__dict__:
-            self.__dict__["_state_key"] = super().state_key
-        return self.__dict__["_state_key"]
+    # Built once: Lightning reads it at every hook call of every step, and ModelCheckpoint
+    # builds it anew each time from settings that never change.
+    state_key = cached_property(ModelCheckpoint.state_key.fget)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if epoch_finished(trainer):
+            super().on_train_epoch_end(trainer, pl_module)
 
 
-class BestCheckpoint(FixedStateKey, ModelCheckpoint):
-    """Lightning's top-k checkpointing that survives a resume into another folder: the best
-    files so far are copied into this job's folder and tracked as if written there, so the
-    best score, the best file and the test of the best model match an uninterrupted run."""
+class BestCheckpoint(EpochEndCheckpoint):
+    """Top-k checkpointing that survives a resume into another folder: the best files so far
+    are copied there and tracked as if written there (Lightning would forget them)."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         old, new = state_dict.get("dirpath"), self.dirpath
@@ -119,16 +108,11 @@ class BestCheckpoint(FixedStateKey, ModelCheckpoint):
             rank_zero_warn(f"best checkpoints of {old} are gone; the best starts afresh")
         super().load_state_dict(state_dict)
 
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if epoch_finished(trainer):  # not an epoch cut short by max_steps
-            super().on_train_epoch_end(trainer, pl_module)
 
-
-class LastCheckpoint(FixedStateKey, ModelCheckpoint):
-    """Writes ``last.ckpt`` at every epoch end (Lightning's ``save_last`` only writes when a
-    new best was saved) and, mid-epoch, every ``every_n_train_steps`` steps and at the step
-    ``max_steps`` ends on. A step that ends an epoch is left to the epoch-end checkpoint, so
-    its validation is never skipped. It has no state worth restoring: the file is rewritten."""
+class LastCheckpoint(EpochEndCheckpoint):
+    """``last.ckpt`` at every epoch end (``save_last`` writes only with a new best) and, mid-epoch,
+    every ``every_n_train_steps`` steps and at ``max_steps``. A step that ends an epoch is left to
+    the epoch end, so its validation is never skipped. No state: the file is rewritten."""
 
     def __init__(self, dirpath: Path, every_n_train_steps: int | None = None) -> None:
         super().__init__(
@@ -137,25 +121,15 @@ class LastCheckpoint(FixedStateKey, ModelCheckpoint):
         )  # fmt: skip
         self.every_n_steps = every_n_train_steps or 0
 
-    @property
-    def path(self) -> Path:
-        return Path(self.dirpath) / "last.ckpt"
-
     def save_now(self, trainer: L.Trainer) -> None:
         """Write ``last.ckpt`` now; every rank calls it at the same step."""
-        trainer.save_checkpoint(self.path, weights_only=False)
+        trainer.save_checkpoint(Path(self.dirpath) / "last.ckpt", weights_only=False)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if epoch_finished(trainer):
-            return
-        step = trainer.global_step
-        periodic = self.every_n_steps > 0 and step % self.every_n_steps == 0
-        if periodic or step == trainer.max_steps:
+        step, every = trainer.global_step, self.every_n_steps
+        due = (every > 0 and step % every == 0) or step == trainer.max_steps
+        if due and not epoch_finished(trainer):
             self.save_now(trainer)
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if epoch_finished(trainer):
-            super().on_train_epoch_end(trainer, pl_module)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
@@ -183,22 +157,16 @@ def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:
         raise CheckpointError(
             "ckpt_path is required, e.g. ckpt_path=outputs/train/runs/<time>/checkpoints/last.ckpt"
         )
-    path = Path(ckpt_path)
-    if not path.is_file():
+    if not Path(ckpt_path).is_file():
         raise CheckpointError(f"ckpt_path={ckpt_path}: no such file")
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+        saved = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        fits = isinstance(saved, dict) and "state_dict" in saved
+        problem = "" if fits else "is not a Lightning checkpoint (no state_dict)"
     except Exception as error:
-        reason = str(error).strip().splitlines()[0][:160]
-        raise CheckpointError(
-            f"ckpt_path={ckpt_path} is not a readable checkpoint ({reason}); "
-            "pass a .ckpt written by src.train"
-        ) from error
-    if not isinstance(saved, dict) or "state_dict" not in saved:
-        raise CheckpointError(
-            f"ckpt_path={ckpt_path} is not a Lightning checkpoint (no state_dict); "
-            "pass a .ckpt written by src.train"
-        )
+        problem = f"is not a readable checkpoint ({str(error).strip().splitlines()[0][:160]})"
+    if problem:
+        raise CheckpointError(f"ckpt_path={ckpt_path} {problem}; pass a .ckpt written by src.train")
     return saved
 
 
@@ -207,14 +175,8 @@ def check_fits(
 ) -> None:
     """Refuse to resume from a checkpoint of another dataset, data settings (image size,
     channels, validation split, ...), network or kind (weights only)."""
-    name = Path(path).name
-    check_dataset(saved, datamodule.hparams.name, name)
-    trained = saved.get("datamodule_hyper_parameters", {})
-    differing = data_differences(trained, datamodule.hparams, type(datamodule).CONTENT_KEYS)
-    if differing:
-        raise CheckpointError(
-            f"{name} was trained with {', '.join(differing)}; resume with the same data settings"
-        )
+    name, keys = Path(path).name, ("name", *type(datamodule).CONTENT_KEYS)
+    check_same_data(saved, datamodule.hparams, keys, name, "resume with the same data settings")
     datamodule.load_state_dict(saved.get(type(datamodule).__qualname__, {}))  # same classes
     check_weights_fit(saved, model.state_dict(), name, model.hparams)
     if "optimizer_states" not in saved or "loops" not in saved:
@@ -224,46 +186,55 @@ def check_fits(
         )
 
 
-def check_dataset(saved: Mapping[str, Any], data_name: str, name: str) -> None:
-    trained_on = saved.get("datamodule_hyper_parameters", {}).get("name")
-    if trained_on and trained_on != data_name:
+def check_same_data(
+    saved: Mapping[str, Any], data: Mapping[str, Any], keys: Iterable[str], name: str, fix: str
+) -> None:
+    """Refuse a checkpoint trained on another dataset or with other values of ``keys``."""
+    trained = saved.get("datamodule_hyper_parameters", {})
+    if "name" in keys and trained.get("name") and trained["name"] != data["name"]:
         raise CheckpointError(
-            f"{name} was trained on {trained_on} but data={data_name}; add data={trained_on}"
+            f"{name} was trained on {trained['name']} but data={data['name']}; "
+            f"add data={trained['name']}"
         )
+    differing = differences(trained, data, keys, "data")
+    if differing:
+        raise CheckpointError(f"{name} was trained with {', '.join(differing)}; {fix}")
 
 
 def check_weights_fit(
-    saved: Mapping[str, Any],
-    expected: Mapping[str, torch.Tensor],
-    name: str,
-    hparams: Mapping[str, Any],
+    saved: Mapping[str, Any], expected: Mapping[str, torch.Tensor], name: str, hparams: Any
 ) -> None:
     """Name the first tensor that is missing, unexpected or of another shape, and the config
     keys of the model that explain it."""
     found = saved["state_dict"]
-    problem = next(
-        (
-            f"layer {key} is {tuple(found[key].shape)} in the checkpoint but "
-            f"{tuple(tensor.shape)} in this model"
-            for key, tensor in expected.items()
-            if key in found and found[key].shape != tensor.shape
-        ),
-        None,
-    )
+    shapes = [
+        f"layer {key} is {tuple(found[key].shape)} in the checkpoint but "
+        f"{tuple(tensor.shape)} in this model"
+        for key, tensor in expected.items()
+        if key in found and found[key].shape != tensor.shape
+    ]
     missing = [key for key in expected if key not in found]
     unexpected = [key for key in found if key not in expected]
-    if problem is None and (missing or unexpected):
-        problem = f"tensors missing: {missing[:3]}, not in this model: {unexpected[:3]}"
-    if problem is None:
+    if not (shapes or missing or unexpected):
         return
+    problem = shapes[0] if shapes else (
+        f"tensors missing: {missing[:3]}, not in this model: {unexpected[:3]}"
+    )  # fmt: skip
     theirs, ours = flatten(saved.get("hyper_parameters", {})), flatten(hparams)
-    differing = [
-        f"model.{key}={theirs[key]} (here {ours[key]})"
-        for key in theirs
-        if key in ours and plain(theirs[key]) != plain(ours[key])
-    ]
+    differing = differences(theirs, ours, theirs, "model")
     hint = f"; the checkpoint was trained with {', '.join(differing)}" if differing else ""
     raise CheckpointError(f"{name} does not fit this model: {problem}{hint}")
+
+
+def differences(
+    trained: Mapping[str, Any], current: Mapping[str, Any], keys: Iterable[str], section: str
+) -> list[str]:
+    """``<section>.<key>=<trained> (here <current>)`` for each of ``keys`` that differs."""
+    return [
+        f"{section}.{key}={trained[key]} (here {current[key]})"
+        for key in keys
+        if key in trained and key in current and plain(trained[key]) != plain(current[key])
+    ]
 
 
 def plain(value: Any) -> Any:
@@ -271,12 +242,65 @@ def plain(value: Any) -> Any:
     return [plain(item) for item in value] if isinstance(value, list | tuple) else value
 
 
-def data_differences(
-    trained: Mapping[str, Any], current: Mapping[str, Any], keys: Iterable[str]
-) -> list[str]:
-    """``data.<key>=<trained> (here <current>)`` for each of ``keys`` whose values differ."""
-    return [
-        f"data.{key}={trained[key]} (here {current[key]})"
-        for key in keys
-        if key in trained and plain(trained[key]) != plain(current[key])
-    ]
+def model_from_checkpoint(saved: Mapping[str, Any], name: str, task: Task) -> L.LightningModule:
+    """The trained model, rebuilt from the checkpoint's hyperparameters. Keys added since take
+    today's defaults (with a warning); keys this code does not know, or lacks without a default,
+    are refused by name (``load_from_checkpoint`` would name tensors, not config keys)."""
+    hparams = dict(saved.get("hyper_parameters", {}))
+    unknown, missing, defaulted, empty = [], [], [], inspect.Parameter.empty
+    for section, (target, set_by_data) in task.config_targets(hparams).items():
+        values = OmegaConf.select(OmegaConf.create({"model": hparams}), section) or {}
+        prefix = f"{section}.".removeprefix("model.")  # model.net -> net.
+        params = inspect.signature(target).parameters.items()
+        defaults = {k: p.default for k, p in params if k not in ("self", *set_by_data)}
+        unknown += [prefix + k for k in values if k not in (*defaults, "name", *set_by_data)]
+        absent = [key for key in defaults if key not in values]
+        missing += [prefix + k for k in absent if defaults[k] is empty]
+        defaulted += [f"{prefix}{k}={defaults[k]}" for k in absent if defaults[k] is not empty]
+    problems = [f"keys this code does not know: {', '.join(unknown)}"] if unknown else []
+    problems += [f"keys it lacks: {', '.join(missing)}"] if missing else []
+    if problems:
+        raise CheckpointError(
+            f"{name} was saved by a different version of the model: {'; '.join(problems)}. "
+            "Load it with the code version that wrote it (its mlflow.source.git.commit tag)"
+        )
+    if defaulted:
+        warnings.warn(
+            f"{name} predates config keys {', '.join(defaulted)}: they take today's defaults",
+            stacklevel=2,
+        )
+    model = task.model_class(**hparams)
+    # The learned tensors only: metric states (torchmetrics) may be newer or older.
+    metrics = tuple(
+        f"{key}." for key, module in model.named_modules() if isinstance(module, Metric)
+    )
+    weights = {k: v for k, v in saved["state_dict"].items() if not k.startswith(metrics)}
+    expected = {k: v for k, v in model.state_dict().items() if not k.startswith(metrics)}
+    check_weights_fit({**saved, "state_dict": weights}, expected, name, model.hparams)
+    model.load_state_dict(weights, strict=False)
+    return model
+
+
+def load_for_inference(
+    ckpt_path: str | None, data: Mapping[str, Any], typed: set[str], task: Task
+) -> tuple[L.LightningModule, L.LightningDataModule, dict[str, str] | None]:
+    """The checkpoint's model, a data module and the MLflow run the checkpoint came from (if
+    tracked). The data settings are the checkpoint's, except the keys the command typed
+    (``typed``: ``data.root=...``); typing one that changes what the data is is refused."""
+    saved = read_checkpoint(ckpt_path)
+    name = Path(ckpt_path).name
+    values = dict(data)
+    if trained := saved.get("datamodule_hyper_parameters"):  # none: an older checkpoint
+        content = task.datamodule_class(trained["name"]).CONTENT_KEYS
+        chosen = typed | ({"name"} if "" in typed else set())  # "": the command chose data=
+        keys = [key for key in ("name", *content) if key in chosen]
+        fix = "eval and predict use the checkpoint's data settings: leave these out"
+        check_same_data(saved, data, keys, name, fix)
+        # Keys newer than the checkpoint come from the command's config of the same dataset.
+        base = values if data.get("name") == trained["name"] else {}
+        values = {**base, **trained, **{key: data[key] for key in typed if key in data}}
+    model = model_from_checkpoint(saved, name, task)
+    datamodule = task.datamodule_class(values["name"])(**values)
+    # Lightning saves the DataModule's state under its class name.
+    datamodule.load_state_dict(saved.get(type(datamodule).__qualname__, {}))
+    return model, datamodule, saved.get("mlflow")

@@ -1,18 +1,7 @@
-"""The data contract: what the machinery needs from a dataset, and nothing more.
-
-A dataset is a :class:`TensorDataModule` subclass that implements :meth:`~TensorDataModule.read`
-(the official ``"train"`` and ``"test"`` splits as an inputs tensor and a targets tensor, one
-row per sample), saves its config as hyperparameters (``self.save_hyperparameters(logger=False)``:
-at least ``name``, ``batch_size``, ``val_size``, ``num_workers``, ``split_seed``,
-``shuffle_seed``, ``pin_memory`` and ``device_resident``) and sets ``source`` (where the files
-are, for the MLflow dataset record). It may override :meth:`~TensorDataModule.check` (refuse
-malformed splits) and :meth:`~TensorDataModule.transform` (what turns a batch of stored inputs
-into model inputs, e.g. uint8 pixels into normalised floats).
-
-The base class does the rest the same way for every dataset: validation carved from train with
-its own generator, stable per-sample indices (position in the official split), a digest per
-split, whole-batch fetches, and the samplers that make results independent of the world size.
-"""
+"""The data contract: a :class:`TensorDataModule` subclass implements ``read`` (may override
+``check`` and ``transform``), saves its config as hyperparameters (the keys
+docs/make-it-yours.md lists) and sets ``source``. The base class carves validation, fetches
+whole batches, and builds loaders whose results do not depend on the number of devices."""
 
 import copy
 import hashlib
@@ -46,12 +35,9 @@ class TensorSplit(Dataset):
     """One split in memory, fetched a whole batch at a time (one vectorised index per batch)."""
 
     def __init__(
-        self,
-        inputs: Tensor,
-        targets: Tensor,
-        indices: Tensor | None = None,
+        self, inputs: Tensor, targets: Tensor, indices: Tensor | None = None,
         transform: nn.Module | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.inputs, self.targets, self.transform = inputs, targets, transform
         self.indices = torch.arange(len(inputs)) if indices is None else indices
 
@@ -59,13 +45,13 @@ class TensorSplit(Dataset):
         return len(self.targets)
 
     def digest(self) -> str:
-        """MD5 of the split's inputs and targets: tells whether two runs saw the same data."""
+        """MD5 of inputs and targets: tells whether two runs saw the same data."""
         md5 = hashlib.md5(self.inputs.cpu().numpy().tobytes())
         md5.update(self.targets.cpu().numpy().tobytes())
         return md5.hexdigest()
 
     def to(self, device: torch.device) -> "TensorSplit":
-        """This split on ``device`` (a copy; the original stays for digests and figures)."""
+        """A copy on ``device``; the original stays for digests and figures."""
         moved = copy.copy(self)
         moved.inputs, moved.targets = self.inputs.to(device), self.targets.to(device)
         moved.indices = self.indices.to(device)
@@ -75,8 +61,7 @@ class TensorSplit(Dataset):
     def __getitems__(self, indices: list[int]) -> Batch:
         idx = torch.as_tensor(indices, dtype=torch.long, device=self.inputs.device)
         inputs = self.inputs[idx]
-        if self.transform is not None:
-            inputs = self.transform(inputs)
+        inputs = self.transform(inputs) if self.transform is not None else inputs
         return Batch(inputs, self.targets[idx], self.indices[idx])
 
     def __getitem__(self, i: int) -> Batch:
@@ -84,11 +69,8 @@ class TensorSplit(Dataset):
 
 
 def per_device_batch_size(global_batch: int, world_size: int, training: bool = True) -> int:
-    """The configured batch size is global so results don't change with the device count.
-
-    Training needs equal shares of every global batch; evaluation splits the data by samples,
-    so there each device takes up to ``ceil(batch_size / world_size)`` samples at a time.
-    """
+    """``batch_size`` is global, so results don't change with the device count: training needs
+    equal shares of it; evaluation splits by samples (up to ``ceil(batch / world)`` each)."""
     if global_batch <= 0:
         raise DataError(f"data.batch_size={global_batch} must be 1 or more")
     if not training:
@@ -103,16 +85,13 @@ def per_device_batch_size(global_batch: int, world_size: int, training: bool = T
 
 
 def fitting_batch(samples: int) -> int:
-    """A batch size to suggest for ``samples`` training samples: the largest power of two that
-    fits (it divides over any power-of-two number of devices)."""
+    """The largest power of two <= ``samples``: it divides over any power-of-two device count."""
     return 1 << (max(samples, 1).bit_length() - 1)
 
 
 def carve_validation(n: int, hparams: Any) -> tuple[Tensor, Tensor]:
-    """(validation, training) indices of an official training split of ``n`` samples: a
-    permutation fixed by ``split_seed``, of which validation is the first ``val_size``, or with
-    ``folds=K``, fold ``fold`` of K equal parts (k-fold cross-validation: a sweep over
-    ``data.fold=0,...,K-1``)."""
+    """(validation, training) indices: the first ``val_size`` of a ``split_seed`` permutation,
+    or with ``folds=K``, fold ``fold`` of K equal parts (a sweep over ``data.fold``)."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(hparams.split_seed))
     folds, fold = hparams.get("folds"), hparams.get("fold") or 0
     if not folds:
@@ -127,11 +106,10 @@ def carve_validation(n: int, hparams: Any) -> tuple[Tensor, Tensor]:
 
 
 class TensorDataModule(LightningDataModule):
-    """Train and validation carved from the official train split, test is the test split; the
-    loaders give exact results for any number of devices. Subclasses implement :meth:`read`."""
+    """Train and validation carved from the official train split; test is the test split."""
 
-    # Config keys that say what the data is (not where it is or how it is loaded): eval and
-    # predict take them from the checkpoint, and resuming with other values is refused.
+    # What the data is (not where or how it loads): eval and predict take these from the
+    # checkpoint, and resuming with other values is refused.
     CONTENT_KEYS: tuple[str, ...] = ("name", "val_size", "split_seed", "folds", "fold")
 
     source: str
@@ -145,13 +123,9 @@ class TensorDataModule(LightningDataModule):
         self.test_set: TensorSplit | None = None
         self._on_device: dict[int, TensorSplit] = {}  # data.device_resident: id(split) -> copy
 
-    # --- what a dataset implements
-
     def read(self, split: str) -> tuple[Tensor, Tensor]:
-        """The official ``"train"`` or ``"test"`` split: inputs ``[N, ...]``, targets ``[N, ...]``.
-
-        Raise :class:`DataError` naming the file or folder for anything missing or malformed.
-        """
+        """The official ``"train"`` or ``"test"`` split as (inputs, targets), one row a sample;
+        a :class:`DataError` naming the file for anything missing or malformed."""
         raise NotImplementedError
 
     def check(self, split: str, inputs: Tensor, targets: Tensor) -> None:
@@ -160,8 +134,6 @@ class TensorDataModule(LightningDataModule):
     def transform(self) -> nn.Module | None:
         """Stored inputs of a batch -> model inputs (called after the train split is read)."""
         return None
-
-    # --- what the machinery uses
 
     @property
     def name(self) -> str:
@@ -174,28 +146,32 @@ class TensorDataModule(LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         world = self.trainer.world_size if self.trainer is not None else 1
-        self.per_device_batch_size = per_device_batch_size(
-            self.hparams.batch_size, world, training=stage in (None, "fit")
-        )
+        training = stage in (None, "fit")
+        self.per_device_batch_size = per_device_batch_size(self.hparams.batch_size, world, training)
         self.load(stage)
 
     def load(self, stage: str | None = None) -> None:
-        """Read and validate (once) the splits ``stage`` needs. The entry points call it before
-        any run or process starts, so missing, corrupt or too-small data fails first."""
-        if self.hparams.num_workers < 0:
-            raise DataError(f"data.num_workers={self.hparams.num_workers} must be 0 or more")
-        if self.hparams.get("device_resident") and self.hparams.num_workers:
+        """Read and check (once) the splits ``stage`` needs; the entry points call it before any
+        run or process starts, so bad data fails first."""
+        workers = self.hparams.num_workers
+        if workers < 0:
+            raise DataError(f"data.num_workers={workers} must be 0 or more")
+        if self.hparams.get("device_resident") and workers:
             raise DataError(
                 "data.device_resident=true slices batches on the device, in the main process; "
                 "set data.num_workers=0"
             )
-        if stage in (None, "fit", "validate") or (
-            stage == "predict" and self.predict_split != "test"
-        ):
+        predict_test = self.predict_split == "test"
+        if stage in (None, "fit", "validate") or (stage == "predict" and not predict_test):
             self._load_train()
-        if stage in (None, "fit"):
-            self._check_batch_fits()
-        if stage in (None, "test") or (stage == "predict" and self.predict_split == "test"):
+        batch = self.hparams.batch_size  # training drops an incomplete last global batch
+        if stage in (None, "fit") and batch > (left := len(self.train_set)):
+            raise DataError(
+                f"data.batch_size={batch} is larger than the {left} training samples left "
+                f"after data.val_size={self.hparams.val_size}; use e.g. "
+                f"data.batch_size={fitting_batch(left)}"
+            )
+        if stage in (None, "test") or (stage == "predict" and predict_test):
             self._load_test()
 
     def _checked(self, split: str) -> tuple[Tensor, Tensor]:
@@ -221,41 +197,24 @@ class TensorDataModule(LightningDataModule):
         self.val_set = TensorSplit(inputs[val_idx], targets[val_idx], val_idx, transform)
         self.train_set = TensorSplit(inputs[train_idx], targets[train_idx], train_idx, transform)
 
-    def _check_batch_fits(self) -> None:
-        """Training drops an incomplete last global batch: a training split smaller than one
-        batch would train on nothing (refused here, before any rank or run starts)."""
-        left, batch = len(self.train_set), self.hparams.batch_size
-        if batch > left:
-            raise DataError(
-                f"data.batch_size={batch} is larger than the {left} training samples left "
-                f"after data.val_size={self.hparams.val_size}; use e.g. "
-                f"data.batch_size={fitting_batch(left)}"
-            )
-
     def _load_test(self) -> None:
         if self.test_set is None:
-            inputs, targets = self._checked("test")
-            self.test_set = TensorSplit(inputs, targets, transform=self.transform())
+            self.test_set = TensorSplit(*self._checked("test"), transform=self.transform())
 
     def _world(self) -> tuple[int, int]:
         """(world size, global rank): what the samplers split the data over."""
-        if self.trainer is None:
-            return 1, 0
-        return self.trainer.world_size, self.trainer.global_rank
+        trainer = self.trainer
+        return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
 
     def _resident(self, dataset: TensorSplit) -> TensorSplit:
-        """``data.device_resident``: the split moved to the training device once, so no batch is
-        ever copied host-to-device."""
+        """The split copied to the training device once (``data.device_resident``)."""
         if id(dataset) not in self._on_device:
             device = self.trainer.strategy.root_device if self.trainer else torch.device("cpu")
             self._on_device[id(dataset)] = dataset.to(device)
         return self._on_device[id(dataset)]
 
-    def _loader(self, dataset: TensorSplit | None, sampler: Sampler) -> DataLoader:
-        if dataset is None:
-            raise DataError("dataloader requested before setup() loaded its split")
-        resident = bool(self.hparams.get("device_resident"))
-        workers = self.hparams.num_workers
+    def _loader(self, dataset: Dataset, sampler: Sampler) -> DataLoader:
+        resident, workers = bool(self.hparams.get("device_resident")), self.hparams.num_workers
         on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         return DataLoader(
             self._resident(dataset) if resident else dataset,
@@ -268,11 +227,9 @@ class TensorDataModule(LightningDataModule):
             collate_fn=keep_batch,
         )
 
-    def _eval_loader(self, dataset: TensorSplit | None) -> DataLoader:
-        """Every sample exactly once across ranks (none padded or dropped): exact val/test/predict
-        metrics for any N. Lightning's own sampler for this; it leaves it in place."""
-        world, rank = self._world()
-        sampler = UnrepeatedDistributedSampler(dataset, world, rank, shuffle=False)
+    def _eval_loader(self, dataset: TensorSplit) -> DataLoader:
+        """Every sample once across ranks, none padded or dropped: exact metrics for any N."""
+        sampler = UnrepeatedDistributedSampler(dataset, *self._world(), shuffle=False)
         return self._loader(dataset, sampler)
 
     def train_dataloader(self) -> DataLoader:
@@ -290,15 +247,4 @@ class TensorDataModule(LightningDataModule):
         return self._eval_loader(self.test_set)
 
     def predict_dataloader(self) -> DataLoader:
-        splits = ("train", "val", "test")
-        if self.predict_split not in splits:
-            raise DataError(f"predict split {self.predict_split!r} must be one of {splits}")
-        (self._load_test if self.predict_split == "test" else self._load_train)()
-        return self._eval_loader(self.split(self.predict_split))
-
-    def split(self, name: str) -> TensorSplit | None:
-        """A loaded split by name: ``train``, ``val`` or ``test``."""
-        return getattr(self, f"{name}_set")
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
+        return self._eval_loader(getattr(self, f"{self.predict_split}_set"))

@@ -1,5 +1,5 @@
-"""What a job shows and leaves behind for people and scripts: the resolved config at start,
-the results table and ``metrics.json`` at the end. Rank 0 only."""
+"""What a job shows and leaves behind for people and scripts: one-line errors, the resolved
+config at start, the results table and ``metrics.json`` at the end, a quiet console."""
 
 import csv
 import json
@@ -22,21 +22,16 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from src.template.sweeps import SweepFolderTaken, check_same_sweep, in_multirun
+from src.template.sweeps import in_multirun, sweep_overrides
 from src.template.task import Task
 
-console = Console()
-errors = Console(stderr=True)
+console, errors = Console(), Console(stderr=True)
 
 
 @contextmanager
 def short_errors(*expected: type[Exception]) -> Iterator[None]:
-    """Show expected errors (bad data, a wrong checkpoint path) as their one-line message and
-    exit 1, instead of a traceback through Lightning and Hydra; anything else still raises.
-
-    A single run that fails this way leaves no output folder behind that holds only Hydra's
-    record of the attempt (see :func:`remove_attempt_record`).
-    """
+    """Expected errors (bad data, a wrong ckpt_path) as their one-line message and exit 1, not a
+    traceback; a single run leaves no folder holding only Hydra's record of the attempt."""
     try:
         yield
     except expected as error:
@@ -56,31 +51,44 @@ _created_by_this_job: Path | None = None  # the top-most output folder this run 
 
 
 class CheckOutputFolder(HydraCallback):
-    """Hydra creates the job's output folder before the job starts, and where it cannot, ends in
-    a traceback. This says so in one line, with the fix, before anything is written; and it
-    notes which folders the run is about to create, for :func:`remove_attempt_record`."""
+    """One line with the fix where Hydra would end in a traceback creating the output folder."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         global _created_by_this_job
-        folder = Path(config.hydra.run.dir).absolute()
-        check_writable(folder)
-        _created_by_this_job = None
-        while not folder.exists():
-            _created_by_this_job, folder = folder, folder.parent
+        _created_by_this_job = check_writable(Path(config.hydra.run.dir).absolute())
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        check_writable(Path(config.hydra.sweep.dir))
-        try:  # Hydra turns an exception raised here into a warning
-            check_same_sweep(Path(config.hydra.sweep.dir), config.hydra.overrides.task)
-        except SweepFolderTaken as error:
-            show_error(str(error))
-            raise SystemExit(1) from None
+        """A sweep folder is run again only by its own sweep's command, so each job folder
+        holds that job's earlier run (an exception here, Hydra would turn into a warning)."""
+        folder = Path(config.hydra.sweep.dir)
+        check_writable(folder)
+        earlier = sweep_overrides(folder) if (folder / "multirun.yaml").is_file() else None
+        if earlier is not None and earlier != list(config.hydra.overrides.task):
+            show_error(
+                f"{folder} holds another sweep ({' '.join(earlier) or 'no overrides'}); run this "
+                "one in a new folder (leave out hydra.sweep.dir) or that sweep's command again"
+            )
+            raise SystemExit(1)
+
+
+def check_writable(folder: Path) -> Path | None:
+    """Exit with one line if ``folder`` cannot be created; else the top-most folder it adds."""
+    created, existing = None, folder.absolute()
+    while not existing.exists():
+        created, existing = existing, existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        problem = "is not writable" if existing.is_dir() else "is a file"
+        show_error(
+            f"output folder {folder} cannot be created: {existing} {problem}. Set "
+            "paths.log_dir=... (or hydra.run.dir=...) to a folder you can write to"
+        )
+        raise SystemExit(1)
+    return created
 
 
 def remove_attempt_record() -> None:
     """Delete the folders this run created if all they hold is Hydra's record of the attempt
-    (``.hydra/``, the job's log) and ``config.yaml``: a job refused before any work leaves
-    nothing behind. A folder that existed before the run, or holds anything else, is kept."""
+    (``.hydra/``, the job's log) and ``config.yaml``: a refused job leaves nothing behind."""
     created = _created_by_this_job
     if created is None or rank_zero_only.rank != 0 or not HydraConfig.initialized():
         return
@@ -94,39 +102,23 @@ def remove_attempt_record() -> None:
         shutil.rmtree(created, ignore_errors=True)
 
 
-def check_writable(folder: Path) -> None:
-    existing = folder.absolute()
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        problem = f"{existing} is a file"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        problem = f"{existing} is not writable"
-    else:
-        return
-    show_error(
-        f"output folder {folder} cannot be created: {problem}. Set paths.log_dir=... "
-        "(or hydra.run.dir=...) to a folder you can write to"
-    )
-    raise SystemExit(1)
-
-
 @rank_zero_only
 def show_config(cfg: DictConfig) -> None:
-    """Save the resolved config as YAML in the output folder and say where, in one line (the
-    whole tree: ``--cfg job``, or the file)."""
+    """Save the resolved config in the output folder and say where, in one line."""
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     console.print(f"{cfg.task_name}: config and outputs in {out}", soft_wrap=True, highlight=False)
 
 
-# Library notices that tell a user of this template nothing: Lightning's hardware summary,
-# its advertisements, its checkpoint-restoring chatter, and messages about its own internals.
+# Log records that tell a user of this template nothing: Lightning's hardware summary, tips and
+# checkpoint-restoring chatter; urllib3's retries of an MLflow request (the job says itself, in
+# one line, that a server is unreachable or what an outage left unsent).
+QUIET_LOGS = ("lightning.pytorch.utilities.rank_zero", "urllib3.connectionpool")
 QUIET_INFO = (
     "GPU available", "TPU available", "HPU available", "💡 Tip", "`Trainer(limit_",
     "Trainer already configured with model summary", "Restoring states from the checkpoint",
-    "Loaded model weights from the checkpoint",
+    "Loaded model weights from the checkpoint", "Retrying (",
 )  # fmt: skip
 QUIET_WARNINGS = (
     # SLURM is installed here but this job is not one of its tasks: that is a choice.
@@ -136,32 +128,16 @@ QUIET_WARNINGS = (
 )
 
 
+def not_a_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(QUIET_INFO)
+
+
 def quiet_library_notices() -> None:
-    """Silence, by message, the notices in :data:`QUIET_INFO` and :data:`QUIET_WARNINGS`; every
-    other warning and message still shows."""
+    """Silence the notices above by message; every other warning and message still shows."""
     for message, category in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message, category)
-    for name, notices in QUIET_LOGS.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, NoticeFilter) for f in logger.filters):
-            logger.addFilter(NoticeFilter(notices))
-
-
-# urllib3 warns at each retry of an MLflow request: the job says itself, in one line, that a
-# server is unreachable (store.py) or what an outage left unsent (outbox.py).
-QUIET_LOGS = {
-    "lightning.pytorch.utilities.rank_zero": QUIET_INFO,
-    "urllib3.connectionpool": ("Retrying (",),
-}
-
-
-class NoticeFilter(logging.Filter):
-    def __init__(self, notices: tuple[str, ...]) -> None:
-        super().__init__()
-        self.notices = notices
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.notices)
+    for name in QUIET_LOGS:
+        logging.getLogger(name).addFilter(not_a_notice)  # once: addFilter skips a duplicate
 
 
 @rank_zero_only
@@ -183,21 +159,13 @@ def report_metrics(metrics: Mapping[str, float], output_dir: str | Path) -> None
 
 
 class PredictionWriter(BasePredictionWriter):
-    """Writes all ranks' predictions as one CSV in dataset order.
-
-    ``predict_step`` returns a dict of 1-D tensors with an ``index`` column; each rank saves its
-    share beside the CSV and, after a barrier, rank 0 merges them, sorts by ``index`` and lets
-    ``columns`` (the task's) turn them into the CSV's columns and metrics. Under multi-node runs
-    the output folder must be on a filesystem every node can reach.
-    """
+    """All ranks' ``predict_step`` outputs (dicts of 1-D tensors with an ``index``) as one CSV in
+    dataset order; the task's ``columns`` turn them into the CSV's columns and metrics."""
 
     def __init__(self, path: Path, columns: Callable | None, datamodule: Any) -> None:
         super().__init__(write_interval="epoch")
         self.path, self.columns, self.datamodule = path, columns, datamodule
         self.metrics: dict[str, float] = {}
-
-    def _shard(self, rank: int) -> Path:
-        return self.path.with_name(f".{self.path.stem}.rank{rank}.pt")
 
     def write_on_epoch_end(
         self,
@@ -206,24 +174,22 @@ class PredictionWriter(BasePredictionWriter):
         predictions: Sequence[Mapping[str, torch.Tensor]],
         batch_indices: Sequence[Any],
     ) -> None:
+        mine = {key: torch.cat([p[key] for p in predictions]).cpu() for key in predictions[0]}
+        parts = [mine] * trainer.world_size  # all_gather_object fills it in
+        if trainer.world_size > 1:
+            torch.distributed.all_gather_object(parts, mine)
+        if not trainer.is_global_zero:
+            return
+        order = torch.cat([part["index"] for part in parts]).argsort()
+        merged = {key: torch.cat([part[key] for part in parts])[order] for key in mine}
+        table, self.metrics = (
+            self.columns(merged, self.datamodule)
+            if self.columns
+            else ({key: value.tolist() for key, value in merged.items()}, {})
+        )
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        columns = {key: torch.cat([p[key] for p in predictions]).cpu() for key in predictions[0]}
-        torch.save(columns, self._shard(trainer.global_rank))
-        trainer.strategy.barrier("predictions_written")
-        if trainer.is_global_zero:
-            shards = [self._shard(rank) for rank in range(trainer.world_size)]
-            parts = [torch.load(shard, weights_only=True) for shard in shards]
-            order = torch.cat([part["index"] for part in parts]).argsort()
-            merged = {key: torch.cat([part[key] for part in parts])[order] for key in columns}
-            table, self.metrics = (
-                self.columns(merged, self.datamodule)
-                if self.columns
-                else ({key: value.tolist() for key, value in merged.items()}, {})
-            )
-            with self.path.open("w", newline="") as file:
-                writer = csv.writer(file)
-                writer.writerow(table)
-                writer.writerows(zip(*table.values(), strict=True))
-            console.print(f"predictions written to {self.path}", soft_wrap=True)
-            for shard in shards:
-                shard.unlink()
+        with self.path.open("w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(table)
+            writer.writerows(zip(*table.values(), strict=True))
+        console.print(f"predictions written to {self.path}", soft_wrap=True)

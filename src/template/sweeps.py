@@ -1,8 +1,5 @@
-"""Hydra multiruns (``-m``): what a sweep job needs beyond a single run.
-
-A DDP job of a sweep runs as its own process tree (:func:`run_sweep_job_in_own_process`), and
-``conf/hydra/launcher/slurm.yaml`` asks SLURM for GPUs through the ``gpus_for`` resolver.
-"""
+"""Hydra multiruns (``-m``): what a sweep job needs beyond a single run. A sweep run again in its
+folder skips finished jobs and resumes the rest; a DDP job runs as its own process tree."""
 
 import json
 import logging
@@ -15,35 +12,43 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
 
-
-def in_multirun() -> bool:
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep folder>/<job number>" for a sweep's DDP job
+JOB_FILE = "sweep_job.json"  # in a sweep job's folder: its overrides, and its result once done
 
 
 class SweepJobFailed(RuntimeError):
     """A sweep's DDP job, run as its own process tree, failed (it printed why)."""
 
 
-SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep folder>/<job number>" for a sweep's DDP job
-
-
-JOB_FILE = "sweep_job.json"  # in a sweep job's folder: its overrides, and its result once done
-
-
 class SweepFolderTaken(RuntimeError):
-    """A sweep job's folder holds another job's output (another sweep run in that folder)."""
+    """A sweep job's folder holds another sweep's output."""
+
+
+def in_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def sweep_job() -> tuple[Path, str] | None:
+    """(sweep folder, job number) of a sweep's job, also of a DDP job run as its own process."""
+    if in_multirun():
+        hydra = HydraConfig.get()
+        return Path(hydra.sweep.dir), str(hydra.job.num)
+    if SWEEP_JOB_ENV in os.environ:
+        folder, number = os.environ[SWEEP_JOB_ENV].rsplit("/", 1)
+        return Path(folder), number
+    return None
 
 
 def earlier_run(output_dir: Path) -> dict[str, Any] | None:
     """What an earlier run of this sweep job left in its folder (``{"overrides"}``, and
-    ``"result"`` once it finished), when the same sweep runs again in its folder; None for a
-    first run or outside a sweep. A folder of another job is refused."""
+    ``"result"`` once it finished); None for a first run or outside a sweep."""
     job, path = sweep_job(), output_dir / JOB_FILE
     if job is None or not path.is_file():
         return None
@@ -58,63 +63,24 @@ def earlier_run(output_dir: Path) -> dict[str, Any] | None:
 
 
 @rank_zero_only
-def record_job(output_dir: Path) -> None:
-    """This sweep job's overrides in its folder, once its inputs are checked and it starts."""
+def record_job(output_dir: Path, **result: float | None) -> None:
+    """A sweep job's overrides in its folder once it starts, and ``result=`` once it finished:
+    run again in its folder, it resumes, or is not trained again."""
     path = output_dir / JOB_FILE
-    if sweep_job() is not None and not path.is_file():
-        path.write_text(json.dumps({"overrides": list(HydraConfig.get().overrides.task)}))
+    if sweep_job() is not None:
+        done = json.loads(path.read_text()) if path.is_file() else {}
+        overrides = list(HydraConfig.get().overrides.task)
+        path.write_text(json.dumps({"overrides": overrides, **done, **result}))
 
 
 def sweep_overrides(folder: Path) -> list[str]:
-    """The overrides of the command that started the sweep in ``folder``, as its sweeper saved
-    them in ``multirun.yaml``."""
+    """The overrides of the command that started the sweep in ``folder`` (its multirun.yaml)."""
     return list(OmegaConf.load(folder / "multirun.yaml").hydra.overrides.task)
 
 
-def check_same_sweep(folder: Path, overrides: Sequence[str]) -> None:
-    """A sweep folder is run again only by its own sweep's command (its overrides, as Hydra
-    saved them in ``multirun.yaml``), so each job folder holds that job's earlier run."""
-    if (folder / "multirun.yaml").is_file():
-        earlier = sweep_overrides(folder)
-        if earlier != list(overrides):
-            raise SweepFolderTaken(
-                f"{folder} holds another sweep ({' '.join(earlier) or 'no overrides'}); run this "
-                "one in a new folder (leave out hydra.sweep.dir) or that sweep's command again"
-            )
-
-
-@rank_zero_only
-def record_result(output_dir: Path, result: float | None) -> None:
-    """A sweep job finished: run again in its folder, it is not trained again."""
-    path = output_dir / JOB_FILE
-    if sweep_job() is not None and path.is_file():
-        path.write_text(json.dumps({**json.loads(path.read_text()), "result": result}))
-
-
-def sweep_job() -> tuple[Path, str] | None:
-    """(sweep folder, job number) of a sweep's job, also of a DDP job run as its own process."""
-    if in_multirun():
-        hydra = HydraConfig.get()
-        return Path(hydra.sweep.dir), str(hydra.job.num)
-    if SWEEP_JOB_ENV in os.environ:
-        folder, number = os.environ[SWEEP_JOB_ENV].rsplit("/", 1)
-        return Path(folder), number
-    return None
-
-
-def swept_overrides() -> list[str]:
-    """What this sweep job's config differs by from its sweep's command, e.g. ``lr=0.003``."""
-    job = sweep_job()
-    if job is None or not HydraConfig.initialized():
-        return []
-    return varied_overrides(HydraConfig.get().overrides.task, sweep_overrides(job[0]))
-
-
 def varied_overrides(job: Sequence[str], command: Sequence[str]) -> list[str]:
-    """A job's overrides whose key its sweep's command did not fix (the sweeper saves the
-    command's overrides in ``multirun.yaml``), each by its last key: ``lr=0.003``."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
+    """A job's overrides whose key its sweep's command did not fix, each by its last key:
+    ``lr=0.003``."""
     parsed = OverridesParser.create().parse_overrides(list(command))
     swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
     fixed = {o.get_key_element() for o in parsed} - swept
@@ -132,15 +98,9 @@ def sweep_command(folder: Path, entry_point: str) -> list[str]:
 
 
 def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:
-    """Run this multirun job as a fresh single-run process tree; return its optimized metric.
-
-    Lightning starts DDP ranks 1..N-1 by re-running the command line, which in a multirun is the
-    whole sweep, and it watches them from a thread that SIGKILLs the launching process when a
-    rank fails. Both are right for one job and wrong for a sweep that runs job after job in one
-    process. So a DDP job of a sweep is started as its own command: this job's overrides, in
-    this job's folder. Its ranks train exactly this job's hyperparameters, a failure ends only
-    this job, and no process group or launch variable outlives it.
-    """
+    """This multirun job as a single-run process tree (its overrides, its folder); its optimized
+    metric. Lightning starts DDP ranks by re-running the command line (here: the whole sweep)
+    and SIGKILLs the launcher when a rank fails: wrong for a sweep run in one process."""
     import __main__
 
     hydra = HydraConfig.get()
@@ -157,16 +117,22 @@ def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:
     return json.loads((out / "metrics.json").read_text()).get(optimized_metric)
 
 
+def swept_overrides() -> list[str]:
+    """What this sweep job's config differs by from its sweep's command, e.g. ``lr=0.003``."""
+    job = sweep_job()
+    if job is None or not HydraConfig.initialized():
+        return []
+    return varied_overrides(HydraConfig.get().overrides.task, sweep_overrides(job[0]))
+
+
 def gpus_for(accelerator: str, devices: int) -> int:
-    """GPUs per node to ask a scheduler for: one per device, none with ``accelerator=cpu``."""
     return 0 if accelerator == "cpu" else int(devices)
 
 
 def register_resolvers() -> None:
-    """Resolvers the configs use: ``${gpus_for:...}`` (conf/hydra/launcher/slurm.yaml) and
-    ``${swept:}`` (conf/logger/*.yaml's run name)."""
+    """``${gpus_for:...}``: GPUs per node for a scheduler (conf/hydra/launcher/slurm.yaml);
+    ``${swept:}``: " lr=0.003" in a sweep job, "" in a single run (the MLflow run name)."""
     OmegaConf.register_new_resolver("gpus_for", gpus_for, replace=True)
-    # ${swept:} in logger.run_name: " lr=0.003" in a sweep job, "" in a single run
     OmegaConf.register_new_resolver(
         "swept", lambda: "".join(f" {o}" for o in swept_overrides()), replace=True
     )
