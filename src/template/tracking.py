@@ -18,22 +18,12 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoa
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from src.template import sweep_run
+from src.template import store, sweep_run
 from src.template.config import as_config_error, flatten
 from src.template.distributed import requested_processes
 from src.template.outbox import Outbox, OutboxClient, Sender, encode, finish
 from src.template.resume import epoch_finished
-from src.template.store import (
-    TrackingError,
-    artifact_location,
-    first_line,
-    mask_override,
-    mask_secrets,
-    prepare_store,
-    sqlite_file,
-    talks_to_store,
-    without_password,
-)
+from src.template.store import TrackingError, first_line, sqlite_file, without_password
 from src.template.sweeps import sweep_job
 from src.template.system_metrics import SystemMetrics
 from src.template.task import Task
@@ -60,9 +50,7 @@ class EpochMLFlowLogger(MLFlowLogger):
 
     @property
     def experiment(self) -> Any:
-        if self.offline:
-            return OutboxClient(None, self.outbox)
-        client = super().experiment
+        client = None if self.offline else super().experiment
         return OutboxClient(client, self.outbox) if self.outbox else client
 
     @rank_zero_only
@@ -117,7 +105,7 @@ def build_loggers(
         return [CSVLogger(save_dir=cfg.paths.output_dir, name="csv", version=""), *loggers]
     if kind not in ("mlflow", "none"):
         raise ValueError(f"logger.kind={kind!r} is not one of mlflow, csv, none")
-    if kind == "none" or not talks_to_store(cfg):
+    if kind == "none" or not store.talks_to_store(cfg):
         return loggers
     uri, offline = cfg.logger.tracking_uri, bool(cfg.logger.get("offline"))
     if offline and sqlite_file(uri):
@@ -128,12 +116,12 @@ def build_loggers(
     tags = {**run_tags(cfg), **(extra_tags or {})}
     tags = {**user_tags(cfg.logger, reserved=list(tags)), **tags}
     if not offline:
-        prepare_store(uri, cfg.logger.experiment_name)
+        store.prepare_store(uri, cfg.logger.experiment_name)
         if parent := sweep_run.parent_run(cfg):  # a sweep job's run nests under its sweep's
             tags["mlflow.parentRunId"] = parent
     names = {"experiment_name": cfg.logger.experiment_name, "run_name": cfg.logger.run_name}
     logger = EpochMLFlowLogger(
-        **names, tracking_uri=uri, artifact_location=artifact_location(uri), tags=tags,
+        **names, tracking_uri=uri, artifact_location=store.artifact_location(uri), tags=tags,
         run_id=f"offline-{uuid.uuid4().hex}" if offline else continue_run, offline=offline,
     )  # fmt: skip
     if offline:  # the run is a record for src.sync to create later
@@ -150,10 +138,10 @@ def mlflow_logger(loggers: list[Logger]) -> MLFlowLogger | None:
 
 def run_tags(cfg: DictConfig) -> dict[str, str]:
     """Where a run came from: command, overrides, output folder, host, sweep."""
-    command = [f"python -m src.{Path(sys.argv[0]).stem}", *map(mask_override, sys.argv[1:])]
+    command = [f"python -m src.{Path(sys.argv[0]).stem}", *map(store.mask_override, sys.argv[1:])]
     tags = {
         "command": " ".join(command),
-        "hydra.overrides": " ".join(map(mask_override, HydraConfig.get().overrides.task)),
+        "hydra.overrides": " ".join(map(store.mask_override, HydraConfig.get().overrides.task)),
         "hydra.output_dir": str(cfg.paths.output_dir),
         "host": socket.gethostname(),
         "task": str(cfg.task_name),
@@ -191,17 +179,15 @@ def run_to_continue(
     if cfg.logger.kind != "mlflow" or cfg.logger.get("offline"):
         return None  # an offline placeholder's run does not exist on the server yet
     uri, named = cfg.logger.tracking_uri, cfg.logger.get("run_id")
-    opened = Path(cfg.paths.output_dir, RUN_ID_FILE)
+    opened, here = Path(cfg.paths.output_dir, RUN_ID_FILE), without_password(uri)
     if not named:
         source = (saved or {}).get("mlflow")
         if auto and not saved and opened.is_file():
-            source = {"run_id": opened.read_text().strip(), "tracking_uri": without_password(uri)}
-        if not (cfg.logger.get("continue_run", True) and source):
-            return None
-        if source["tracking_uri"] != without_password(uri):
+            source = {"run_id": opened.read_text().strip(), "tracking_uri": here}
+        if not cfg.logger.get("continue_run", True) or (source or {}).get("tracking_uri") != here:
             return None
     run_id = str(named or source["run_id"])
-    if not talks_to_store(cfg):
+    if not store.talks_to_store(cfg):
         return run_id
     from mlflow import MlflowClient
 
@@ -212,7 +198,7 @@ def run_to_continue(
     except Exception as error:
         if named:
             raise TrackingError(
-                f"logger.run_id={run_id} is not a run of {without_password(uri)} "
+                f"logger.run_id={run_id} is not a run of {here} "
                 f"({first_line(error)}). Leave it out to start a new run"
             ) from error
         rank_zero_warn(f"run {run_id} of the checkpoint is gone; starting a new run")
@@ -233,48 +219,41 @@ def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> No
         precision=trainer.precision,
         accelerator=type(trainer.accelerator).__name__,
     )
-    params = mask_secrets(params)
+    params = store.mask_secrets(params)
     for logger in loggers:
         if not isinstance(logger, MLFlowLogger):
             logger.log_hyperparams(params)
             continue
-        if getattr(logger, "continued", False):
-            reopen_run(logger, params)
-        else:
-            log_params(logger, params)
+        log_params(logger, params)
         Path(cfg.paths.output_dir, RUN_ID_FILE).write_text(logger.run_id + "\n")
 
 
 @rank_zero_only
-def reopen_run(logger: EpochMLFlowLogger, params: Mapping[str, Any]) -> None:
-    """A resumed job's run is RUNNING again. MLflow never changes a logged param, so what
-    differs from the first job (params, tags) goes into ``resume.<n>.`` tags."""
-    client, run_id = logger.experiment, logger.run_id
-    run = client.get_run(run_id)
-    old, count = run.data.params, int(run.data.tags.get("resume.count", "0")) + 1
-    changed = [f"{k}: {old[k]} -> {v}" for k, v in params.items() if k in old and old[k] != str(v)]
-    client.update_run(run_id, status="RUNNING")
-    for key in run.data.metrics:  # now, while the server answers: see log_metrics
-        steps = [m.step for m in client.get_metric_history(run_id, key)]
-        logger.last_step[key] = max(steps, default=-1)
-    tags = {
-        f"resume.{count}.{key}": value
-        for key, value in logger.tags.items()
-        if run.data.tags.get(key) != value and not key.startswith("mlflow.")
-    }
-    tags["resume.count"] = str(count)
-    tags[f"resume.{count}.changed_params"] = "\n".join(changed)[:5000] or "(none)"
-    log_params(logger, {k: v for k, v in params.items() if k not in old}, tags)
-
-
-@rank_zero_only
-def log_params(
-    logger: MLFlowLogger, params: Mapping[str, Any], tags: Mapping[str, str] | None = None
-) -> None:
-    """In one batch (MLflow splits it), uncut: Lightning's log_hyperparams cuts values at 250
-    characters without saying so."""
+def log_params(logger: MLFlowLogger, params: Mapping[str, Any]) -> None:
+    """In full: Lightning's log_hyperparams cuts values at 250 characters, silently. A continued
+    run is RUNNING again, and as MLflow never changes a logged param, what differs from the
+    first job (params, tags) goes into ``resume.<n>.`` tags."""
     from mlflow.entities import Param, RunTag
 
+    client, run_id, tags = logger.experiment, logger.run_id, {}
+    if getattr(logger, "continued", False):
+        run = client.get_run(run_id)
+        old, count = run.data.params, int(run.data.tags.get("resume.count", "0")) + 1
+        changed = [
+            f"{k}: {old[k]} -> {v}" for k, v in params.items() if old.get(k, str(v)) != str(v)
+        ]
+        client.update_run(run_id, status="RUNNING")
+        for key in run.data.metrics:  # now, while the server answers: see log_metrics
+            steps = [m.step for m in client.get_metric_history(run_id, key)]
+            logger.last_step[key] = max(steps, default=-1)
+        tags = {
+            f"resume.{count}.{key}": value
+            for key, value in logger.tags.items()
+            if run.data.tags.get(key) != value and not key.startswith("mlflow.")
+        }
+        tags["resume.count"] = str(count)
+        tags[f"resume.{count}.changed_params"] = "\n".join(changed)[:5000] or "(none)"
+        params = {k: v for k, v in params.items() if k not in old}
     entries = []
     for key, value in params.items():
         text = str(value)
@@ -282,8 +261,7 @@ def log_params(
             rank_zero_warn(f"param {key} is {len(text)} characters; logged cut to {PARAM_LIMIT}")
             text = text[: PARAM_LIMIT - 30] + " ...[cut: see config.yaml]"
         entries.append(Param(key, text))
-    tagged = [RunTag(key, value) for key, value in (tags or {}).items()]
-    logger.experiment.log_batch(logger.run_id, params=entries, tags=tagged)
+    client.log_batch(run_id, params=entries, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
 @contextmanager
