@@ -1,13 +1,8 @@
-"""Tracking never waits for the MLflow server: a durable outbox between the job and the server.
-
-Once a job's run is open, everything it writes to the run is appended to
-``<output folder>/mlflow_outbox.jsonl``, fsynced, and sent in order by a background thread: an
-outage delays records, never a training step. Records keep the time they were made, and MLflow
-stores a metric it already has once, so a record sent twice is not duplicated. What a job could
-not send by its end, ``python -m src.sync OUTPUT_DIR`` sends later. ``logger.offline=true``: the
-run itself is a ``create_run`` record under a placeholder id, created by ``src.sync`` (once: it
-looks for the placeholder's tag first). SQLite stores are written directly.
-"""
+"""Tracking never waits for an MLflow server: what a job writes to its run is appended to
+``<output folder>/mlflow_outbox.jsonl``, fsynced, and sent in order by a background thread, so an
+outage delays records, never a training step (a record sent twice is stored once: it keeps its
+time). What is left at the end, ``python -m src.sync OUTPUT_DIR`` sends; ``logger.offline=true``
+leaves it the run itself, a ``create_run`` record under a placeholder id."""
 
 import fcntl
 import json
@@ -46,8 +41,6 @@ class OutboxBusy(RuntimeError):
 
 def encode(method: str, run_id: str, **kwargs: Any) -> dict[str, Any]:
     """A client call as a JSON record, stamped with when it happened (not when it is sent)."""
-    if method not in WRITES and method != "create_run":
-        raise ValueError(f"the outbox does not carry {method}")
     record = {"method": method, "run_id": run_id, **{k: plain(v) for k, v in kwargs.items()}}
     for key in {"local_path", "folder"} & set(record):
         record[key] = str(Path(record[key]).resolve())
@@ -159,10 +152,10 @@ class Outbox:
     @property
     def run_id(self) -> str | None:
         """The run's id on the server (None for an offline job's run not created yet)."""
-        if len(self.records) < 2:
-            return None
-        run_id = self.records[1]["run_id"]
-        return self.runs.get(run_id) if self.records[1]["method"] == "create_run" else run_id
+        first = (self.records[1:] or [{"method": "", "run_id": None}])[0]
+        return (
+            self.runs.get(first["run_id"]) if first["method"] == "create_run" else first["run_id"]
+        )
 
     @property
     def ended(self) -> bool:
@@ -223,10 +216,8 @@ class Sender(threading.Thread):
 
     def drain(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for every record to be sent; the number still pending."""
-        deadline = time.monotonic() + timeout_s
         with self.outbox.changed:
-            while self.outbox.pending and time.monotonic() < deadline:
-                self.outbox.changed.wait(timeout=min(1.0, deadline - time.monotonic()))
+            self.outbox.changed.wait_for(lambda: not self.outbox.pending, timeout_s)
             return self.outbox.pending
 
 
