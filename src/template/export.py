@@ -60,11 +60,9 @@ def log_model(
     tracking_uri: str, run_id: str, folder: Path, step: int, key: str, registered_name: str | None,
     metrics: Sequence[str] = (),
 ) -> tuple[str, int | None]:  # fmt: skip
-    """Log the model in ``folder`` as a LoggedModel of run ``run_id`` at ``step``, linked to the
-    run's ``metrics`` of that step, and register it as a version of ``registered_name``: its id
-    and that version. Through the client (``log_model`` writes to the fluent API's run, which a
-    job never sets). Sent again, it changes nothing: a READY model tagged ``key`` is kept, a
-    half-logged one is deleted and logged anew, and a version is not registered twice."""
+    """The model in ``folder`` as a LoggedModel of run ``run_id`` at ``step`` (``log_model`` needs
+    a fluent run) and a version of ``registered_name``: their id and number. Sent again, a READY
+    model tagged ``key`` is kept, a half-logged one replaced, and no version registered twice."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri)

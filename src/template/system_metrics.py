@@ -88,13 +88,13 @@ class SystemMetrics(Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The other nodes learn the run and the next step (after a resumed run's last) from rank 0.
-        steps = [
-            s for k, s in getattr(self.logger, "last_step", {}).items() if k.startswith(PREFIX)
-        ]
+        done = getattr(self.logger, "last_step", {})
+        steps = [step for key, step in done.items() if key.startswith(PREFIX)]
         start = (self.logger.run_id, max(steps, default=-1) + 1) if self.logger else None
         start = trainer.strategy.broadcast(start)
         if trainer.local_rank != 0 or start is None:
             return
+        self.run_id, first_step = start
         if trainer.global_rank == 0:
             client = self.logger.experiment
         elif self.every_node:
@@ -107,10 +107,9 @@ class SystemMetrics(Callback):
             client = OutboxClient(None, self.outbox)
         else:
             return
-        self.run_id = start[0]
         prefix = PREFIX + (f"node{trainer.node_rank}/" if trainer.num_nodes > 1 else "")
         write = writer(client, self.run_id)
-        self.sampler = Sampler(self.every_s, prefix, write, start[1], self.tracking_uri)
+        self.sampler = Sampler(self.every_s, prefix, write, first_step, self.tracking_uri)
         self.sampler.start()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

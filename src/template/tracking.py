@@ -207,9 +207,8 @@ def run_to_continue(
 
 
 def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> None:
-    """The run's params: the resolved config and what the hardware made of it (for MLflow in full),
-    and, in the output folder, the run's id: a job stopped before its first checkpoint continues
-    it (``ckpt_path=auto``, or ``logger.run_id=``)."""
+    """The resolved config and what the hardware made of it as params; the run's id in the output
+    folder: a job stopped before its first checkpoint continues it (``ckpt_path=auto``)."""
     params = flatten(OmegaConf.to_container(cfg, resolve=True))
     params.update(
         world_size=trainer.world_size,
@@ -266,10 +265,8 @@ def log_params(logger: MLFlowLogger, params: Mapping[str, Any]) -> None:
 
 @contextmanager
 def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
-    """Against a server, the run's records go through a durable outbox sent by a background
-    thread (the job never waits for the server); at the end, wait up to
-    ``logger.send_timeout_s`` and say in one line what is left. SQLite is written directly.
-    A TensorBoard events file is closed then."""
+    """Against a server, the run's records go through the outbox (SQLite is written directly);
+    at the end, wait up to ``logger.send_timeout_s`` for them, and close TensorBoard's file."""
     logger = mlflow_logger(loggers)
     uri = cfg.logger.get("tracking_uri", "")
     if isinstance(logger, EpochMLFlowLogger) and logger.outbox is None and not sqlite_file(uri):
