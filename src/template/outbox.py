@@ -88,17 +88,13 @@ def create_run(client: Any, record: dict[str, Any]) -> str:
     """The id of the run an offline job's ``create_run`` record stands for: made by an earlier
     sync (found by its placeholder tag), else now."""
     name, placeholder = record["experiment_name"], record["run_id"]
-    experiment = client.get_experiment_by_name(name)
-    experiment_id = (
-        experiment.experiment_id
-        if experiment
-        else client.create_experiment(name, tags=EXPERIMENT_TAGS)
-    )
-    found = client.search_runs([experiment_id], f"tags.`{PLACEHOLDER_TAG}` = '{placeholder}'")
+    known = client.get_experiment_by_name(name)
+    exp = known.experiment_id if known else client.create_experiment(name, tags=EXPERIMENT_TAGS)
+    found = client.search_runs([exp], f"tags.`{PLACEHOLDER_TAG}` = '{placeholder}'")
     if found:
         return found[0].info.run_id
     return client.create_run(
-        experiment_id, start_time=record["start_time"], run_name=record["run_name"],
+        exp, start_time=record["start_time"], run_name=record["run_name"],
         tags={**record["tags"], PLACEHOLDER_TAG: placeholder},
     ).info.run_id  # fmt: skip
 

@@ -13,8 +13,10 @@ from typing import Any
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from omegaconf import DictConfig
 
 from src.template.outbox import NODE_OUTBOX, Outbox, OutboxClient, Sender, finish
+from src.template.store import sqlite_file
 
 PREFIX = "system/"
 FIRST_READING_S = 1.0  # the first reading, this long after start-up
@@ -73,14 +75,12 @@ def writer(client: Any, run_id: str) -> Write:
 
 class SystemMetrics(Callback):
     """Samples while the job trains, in the first process of every node (``system/node<k>/...``
-    with several nodes), into rank 0's run; ``every_node=False`` (SQLite): rank 0's node only."""
+    with several nodes), into rank 0's run; with SQLite (no writers elsewhere), rank 0's only."""
 
-    def __init__(
-        self, logger: Any, tracking_uri: str, every_s: float, folder: Path, send_timeout_s: float,
-        every_node: bool,
-    ) -> None:  # fmt: skip
-        self.logger, self.tracking_uri, self.every_s = logger, tracking_uri, every_s
-        self.folder, self.send_timeout_s, self.every_node = folder, send_timeout_s, every_node
+    def __init__(self, logger: Any, settings: DictConfig, folder: Path) -> None:
+        self.logger, self.folder, self.tracking_uri = logger, folder, settings.tracking_uri
+        self.every_s, self.settings = settings.system_metrics_s, settings
+        self.every_node = not sqlite_file(self.tracking_uri)
         self.sampler: Sampler | None = None
         self.outbox: Outbox | None = None  # node k > 0 against a server: its own
         self.sender: Sender | None = None
@@ -118,5 +118,6 @@ class SystemMetrics(Callback):
             self.sampler.join(timeout=10)  # its last reading, which never waits for a server
             self.sampler = None
         if self.outbox is not None:
-            finish(self.outbox, self.sender, self.send_timeout_s, self.run_id)
+            timeout_s = self.settings.get("send_timeout_s", 0)
+            finish(self.outbox, self.sender, timeout_s, self.run_id)
             self.outbox = self.sender = None

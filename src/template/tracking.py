@@ -379,12 +379,7 @@ def callbacks(loggers: list[Logger], cfg: DictConfig) -> list[Callback]:
     logger, uri = mlflow_logger(loggers), cfg.logger.get("tracking_uri", "")
     found: list[Callback] = [RunBookkeeping(logger, uri)] if logger else []
     if cfg.logger.kind == "mlflow" and cfg.logger.system_metrics_s and not cfg.logger.offline:
-        found.append(
-            SystemMetrics(
-                logger, uri, cfg.logger.system_metrics_s, Path(cfg.paths.output_dir),
-                cfg.logger.get("send_timeout_s", 0), every_node=not sqlite_file(uri),
-            )
-        )  # fmt: skip
+        found.append(SystemMetrics(logger, cfg.logger, Path(cfg.paths.output_dir)))
     return found
 
 
