@@ -1,7 +1,5 @@
-"""A trained model as an MLflow model people load and serve without this project. The task says
-what it is (:class:`~src.template.task.ModelExport`); :func:`save_model` exports it (a
-``torch.export`` program, no pickled code) to the output folder; :func:`log_model` makes that
-folder a LoggedModel of the job's run, linked to its final metrics, and registers it."""
+"""The task's model (:class:`~src.template.task.ModelExport`) as an MLflow model people load and
+serve without this project: a ``torch.export`` program, no pickled code; logged and registered."""
 
 import io
 import json

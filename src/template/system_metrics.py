@@ -1,7 +1,6 @@
-"""System metrics (CPU, memory, disk, network, GPUs: the UI's "System metrics" tab) from every
-node, read by MLflow's samplers. MLflow's own loop writes to the server directly and stops at its
-first failed request; here readings go where the job's other records go (against a server, an
-outbox: node k > 0 has its own, sent by a thread of its own and by ``src.sync``)."""
+"""System metrics from every node, read by MLflow's samplers. MLflow's own loop writes to the
+server directly and stops at its first failed request; these readings go through the outbox (node
+k > 0: its own, sent by a thread of its own and by ``src.sync``), so an outage loses none."""
 
 import logging
 import threading
