@@ -67,7 +67,7 @@ def register_best(sweep_dir: Path, name: str, lowest: bool, tracking_uri: str | 
             f"run {run_id} of the best job ({job}) has no MLflow model yet: it was trained with "
             f"logger.log_model=false, or its records wait (python -m src.sync {job})"
         )
-    version, new = register(client, name, run_id, ready[0].model_id)
+    version, new = register(client, name, ready[0].model_id)
     done = f"registered {name} version {version}" if new else f"{name} version {version} already is"
     return (
         f"{done}: {job} ({metric}={value:.6g}), run {run_id}. "

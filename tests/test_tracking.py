@@ -18,15 +18,15 @@ from omegaconf import OmegaConf
 
 from src.task import TASK
 from src.template.config import flatten
-from src.template.store import TrackingError, artifact_location, prepare_store, without_password
-from src.template.tracking import (
-    build_loggers,
-    log_model,
+from src.template.store import (
+    TrackingError,
+    artifact_location,
     mask_override,
     mask_secrets,
-    run_to_continue,
-    user_tags,
+    prepare_store,
+    without_password,
 )
+from src.template.tracking import build_loggers, log_model, run_to_continue, user_tags
 from tests.conftest import (
     PROJECT,
     mlflow_server,

@@ -1,10 +1,10 @@
-"""The MLflow store a job logs to: a SQLite file made ready once (its schema, the experiment),
-or a server checked to answer, before any work starts; and URIs safe to store and show."""
+"""The MLflow store a job logs to, made ready (or checked to answer) before any work starts, and
+URIs and values safe to store and show."""
 
 import fcntl
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -14,16 +14,14 @@ from omegaconf import DictConfig
 from src.template.distributed import launch_rank, requested_processes
 from src.template.environment import environment
 
-SQLITE_PREFIX = "sqlite:///"
 MASK = "***"
 SECRET_KEY = re.compile(r"password|token|secret|key", re.IGNORECASE)  # values logged as ***
-EXPERIMENT_KIND, TRAINING = "mlflow.experimentKind", "custom_model_development"  # MLflow 3 UI
-EXPERIMENT_TAGS = {EXPERIMENT_KIND: TRAINING}
-# For a caller that must know within seconds whether the server answers (the job's start-up
-# check, src.sync), instead of after MLflow's minutes of retries: one retry, 30 s per request
-# (an upload of a large checkpoint is one request).
-FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 URL_CREDENTIALS = re.compile(r"(\w+://[^/:@\s]+):[^@\s]+@")
+# MLflow 3's experiment kind for model training (its 3.17 UI ignores it yet, mlflow/mlflow#24498)
+EXPERIMENT_KIND, TRAINING = "mlflow.experimentKind", "custom_model_development"
+EXPERIMENT_TAGS = {EXPERIMENT_KIND: TRAINING}
+# Whether a server answers, in seconds rather than after MLflow's minutes of retries.
+FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 
 
 class TrackingError(RuntimeError):
@@ -31,52 +29,50 @@ class TrackingError(RuntimeError):
 
 
 def talks_to_store(cfg: DictConfig) -> bool:
-    """Only rank 0 opens the MLflow store: ranks started together (torchrun, srun) would race
-    to create a fresh store's schema."""
+    """Only rank 0 opens the store: ranks started together would race to create its schema."""
     return launch_rank(requested_processes(cfg.accelerator, cfg.devices, 1)) == 0
 
 
 def sqlite_file(tracking_uri: str) -> Path | None:
-    """The database file of a SQLite store; None for a server."""
-    if not tracking_uri.startswith(SQLITE_PREFIX):
-        return None
-    return Path(tracking_uri.removeprefix(SQLITE_PREFIX))
+    prefix = "sqlite:///"
+    return Path(tracking_uri.removeprefix(prefix)) if tracking_uri.startswith(prefix) else None
 
 
 def artifact_location(tracking_uri: str) -> str | None:
-    """For a SQLite store, artifacts go to ``mlartifacts/`` beside the database (the folder
-    ``mlflow server`` uses by default); a remote server decides for itself."""
+    """Beside a SQLite store, ``mlartifacts/`` (as ``mlflow server``); a server decides itself."""
     database = sqlite_file(tracking_uri)
     return str(database.resolve().parent / "mlartifacts") if database else None
 
 
 def prepare_store(tracking_uri: str, experiment_name: str) -> None:
-    """Create the SQLite schema and the experiment, or check the server answers, once (rank 0),
-    before any work starts. Jobs that start together (a sweep's SLURM jobs) take turns: the
-    store's folder is locked while its schema is created."""
+    """Create the SQLite schema (jobs starting together take turns: its folder is locked) or check
+    that the server answers, and the experiment, tagged as model training."""
     from mlflow import MlflowClient
 
-    if database := sqlite_file(tracking_uri):
-        try:
-            folder = database.parent
-            folder.mkdir(parents=True, exist_ok=True)
-            with locked(folder):
-                ensure_experiment(MlflowClient(tracking_uri), experiment_name, tracking_uri)
-        except Exception as error:
-            reason = str(error).strip().splitlines()[0][:200]
-            raise TrackingError(
-                f"MLflow store {tracking_uri} cannot be opened ({reason}). Set "
-                "logger.tracking_uri=sqlite:///<a folder you can write to>/mlflow.db"
-            ) from error
-        return
-    # A remote server: fail now, in seconds, rather than retrying for minutes mid-training.
+    database = sqlite_file(tracking_uri)
     try:
-        with environment(**FAIL_FAST):  # only for this check
-            ensure_experiment(MlflowClient(tracking_uri), experiment_name, tracking_uri)
+        if database:
+            database.parent.mkdir(parents=True, exist_ok=True)
+        with locked(database.parent) if database else environment(**FAIL_FAST):
+            client = MlflowClient(tracking_uri)
+            experiment = client.get_experiment_by_name(experiment_name)
+            if experiment is None:
+                try:
+                    client.create_experiment(
+                        experiment_name, artifact_location(tracking_uri), EXPERIMENT_TAGS
+                    )
+                except Exception:
+                    if client.get_experiment_by_name(experiment_name) is None:  # not another job's
+                        raise
+            elif EXPERIMENT_KIND not in experiment.tags:
+                client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND, TRAINING)
     except Exception as error:
-        reason = str(error).splitlines()[0][:200]
+        reason = first_line(error, 200)
         raise TrackingError(
-            f"MLflow server {mask_text(tracking_uri)} is not reachable ({reason}). Start it "
+            f"MLflow store {tracking_uri} cannot be opened ({reason}). Set "
+            "logger.tracking_uri=sqlite:///<a folder you can write to>/mlflow.db"
+            if database
+            else f"MLflow server {mask_text(tracking_uri)} is not reachable ({reason}). Start it "
             "(docs/mlflow.md: MLflow server) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
         ) from error
 
@@ -92,31 +88,26 @@ def locked(folder: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def ensure_experiment(client: Any, name: str, tracking_uri: str) -> None:
-    """The experiment exists (created here, one job at a time, not by Lightning's logger in every
-    job), tagged as model training: MLflow 3's kind for it (its 3.17 UI does not follow the tag
-    yet, mlflow/mlflow#24498)."""
-    experiment = client.get_experiment_by_name(name)
-    if experiment is None:
-        try:
-            client.create_experiment(
-                name, artifact_location=artifact_location(tracking_uri), tags=EXPERIMENT_TAGS
-            )
-        except Exception:
-            if client.get_experiment_by_name(name) is None:  # not another job's creation
-                raise
-    elif EXPERIMENT_KIND not in experiment.tags:
-        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND, TRAINING)
+def first_line(error: BaseException, limit: int = 120) -> str:
+    """An error in one line, for a one-line message."""
+    return (str(error).strip().splitlines() or [repr(error)])[0][:limit]
+
+
+def mask_secrets(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Values whose key looks like a credential become ``***``; URLs lose their password."""
+    return {
+        key: MASK if SECRET_KEY.search(key) else mask_text(v) if isinstance(v, str) else v
+        for key, v in values.items()
+    }
 
 
 def mask_override(override: str) -> str:
     """``db.password=x`` → ``db.password=***``; other overrides keep their value, URLs masked."""
-    key, sep, value = override.partition("=")
+    key, sep, _ = override.partition("=")
     return f"{key}{sep}{MASK}" if sep and SECRET_KEY.search(key) else mask_text(override)
 
 
 def mask_text(text: str) -> str:
-    """Hide the password of ``scheme://user:password@host`` URLs."""
     return URL_CREDENTIALS.sub(rf"\1:{MASK}@", text)
 
 

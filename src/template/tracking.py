@@ -1,5 +1,5 @@
-"""What a job's MLflow run records, from rank 0: config as params, origin tags, per-epoch
-metrics, datasets, artifacts and the model. The store itself: store.py; the outbox: outbox.py."""
+"""What a job's MLflow run records, from rank 0: the config as params, where it came from as tags,
+per-epoch metrics, datasets, artifacts and the model. The store: store.py; sending: outbox.py."""
 
 import json
 import socket
@@ -18,50 +18,39 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoa
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from src.template import sweep_run
+from src.template import store, sweep_run
 from src.template.config import as_config_error, flatten
 from src.template.distributed import requested_processes
 from src.template.outbox import Outbox, OutboxClient, Sender, encode, finish
 from src.template.resume import epoch_finished
-from src.template.store import (
-    MASK,
-    SECRET_KEY,
-    TrackingError,
-    artifact_location,
-    mask_override,
-    mask_text,
-    prepare_store,
-    sqlite_file,
-    talks_to_store,
-    without_password,
-)
+from src.template.store import TrackingError, first_line, sqlite_file, without_password
 from src.template.sweeps import sweep_job
 from src.template.system_metrics import SystemMetrics
 from src.template.task import Task
 
-PARAM_LIMIT = 6000  # MLflow's maximum length of a param value
+PARAM_LIMIT = 6000  # MLflow's longest param value
 RUN_ID_FILE = "mlflow_run_id.txt"  # in the output folder: the run a job (re)opened
+NOTE_TAG = "mlflow.note.content"  # what the MLflow UI shows and edits as a run's description
+STATUS = {"success": "FINISHED", "failed": "FAILED", "finished": "FINISHED"}  # Lightning's
 
 
 class EpochMLFlowLogger(MLFlowLogger):
-    """Metrics at step = epoch, so the UI counts epochs. A continued run skips steps it already
-    has (a job killed between logging an epoch and checkpointing it repeats that epoch), and an
-    epoch cut short by ``max_steps`` is logged by the job that completes it, once."""
+    """Metrics at step = epoch. A continued run skips the steps it has (a job killed between
+    logging an epoch and checkpointing it repeats that epoch); an epoch cut short by
+    ``max_steps`` is logged once, by the job that completes it."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, offline: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.continued = kwargs.get("run_id") is not None
+        self.offline = offline  # the outbox is all there is: nothing contacts the server
+        self.continued = kwargs.get("run_id") is not None and not offline
         self.last_step: dict[str, int] = {}  # per metric; a continued run's, read when reopened
         self.cut_epoch: int | None = None
         self.outbox: Outbox | None = None  # with a server: set by `sending`
         self.sender: Sender | None = None
-        self.offline = False  # logger.offline: the outbox is all there is
 
     @property
     def experiment(self) -> Any:
-        if self.offline:
-            return OutboxClient(None, self.outbox)
-        client = super().experiment
+        client = None if self.offline else super().experiment
         return OutboxClient(client, self.outbox) if self.outbox else client
 
     @rank_zero_only
@@ -69,8 +58,7 @@ class EpochMLFlowLogger(MLFlowLogger):
         if self.outbox is None:
             return super().finalize(status)
         # Lightning's finalize asks the server whether the run exists first: it may be away.
-        status = {"success": "FINISHED", "failed": "FAILED", "finished": "FINISHED"}.get(status)
-        self.experiment.set_terminated(self.run_id, status or "KILLED")
+        self.experiment.set_terminated(self.run_id, STATUS.get(status, "KILLED"))
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -83,13 +71,12 @@ class EpochMLFlowLogger(MLFlowLogger):
             metrics = {k: v for k, v in metrics.items() if step > self.last_step.get(k, -1)}
         if metrics:
             super().log_metrics(metrics, step=step)
-            self.last_step.update(dict.fromkeys(metrics, step if step is not None else -1))
+            self.last_step.update(dict.fromkeys(metrics, -1 if step is None else step))
 
 
 class OneFileTensorBoardLogger(TensorBoardLogger):
-    """Lightning's TensorBoard logger (rank 0 writes), one events file per job: Lightning closes
-    the writer at the end of fitting and testing then opens a second file; this flushes instead,
-    and :func:`sending` closes it at the job's end."""
+    """One events file per job (rank 0's): Lightning closes the writer after fitting and opens a
+    second file for testing; this flushes instead, and :func:`sending` closes it at the end."""
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
@@ -105,24 +92,21 @@ class OneFileTensorBoardLogger(TensorBoardLogger):
 def build_loggers(
     cfg: DictConfig, extra_tags: Mapping[str, str] | None = None, continue_run: str | None = None
 ) -> list[Logger]:
-    """``logger=mlflow|csv|none`` (MLflow continues ``continue_run``), plus ``logger.tensorboard``
-    and ``logger.extra``: any Lightning logger by ``_target_``."""
+    """``logger.kind=mlflow|csv|none`` (MLflow continues ``continue_run``), plus
+    ``logger.tensorboard`` and ``logger.extra``: any Lightning logger by ``_target_``."""
     with as_config_error("logger.extra"):
-        extra = [instantiate(spec) for spec in cfg.logger.get("extra", {}).values()]
+        loggers = [instantiate(spec) for spec in cfg.logger.get("extra", {}).values()]
     if cfg.logger.get("tensorboard"):  # events in <output folder>/tensorboard/
-        tensorboard = OneFileTensorBoardLogger(
+        loggers.insert(0, OneFileTensorBoardLogger(
             cfg.paths.output_dir, name="tensorboard", version="", default_hp_metric=False
-        )
-        extra.insert(0, tensorboard)
+        ))  # fmt: skip
     kind = cfg.logger.kind
-    if kind == "none":
-        return extra
     if kind == "csv":
-        return [CSVLogger(save_dir=cfg.paths.output_dir, name="csv", version=""), *extra]
-    if kind != "mlflow":
+        return [CSVLogger(save_dir=cfg.paths.output_dir, name="csv", version=""), *loggers]
+    if kind not in ("mlflow", "none"):
         raise ValueError(f"logger.kind={kind!r} is not one of mlflow, csv, none")
-    if not talks_to_store(cfg):
-        return extra
+    if kind == "none" or not store.talks_to_store(cfg):
+        return loggers
     uri, offline = cfg.logger.tracking_uri, bool(cfg.logger.get("offline"))
     if offline and sqlite_file(uri):
         raise TrackingError(
@@ -132,50 +116,99 @@ def build_loggers(
     tags = {**run_tags(cfg), **(extra_tags or {})}
     tags = {**user_tags(cfg.logger, reserved=list(tags)), **tags}
     if not offline:
-        prepare_store(uri, cfg.logger.experiment_name)
-        tags.update(sweep_parent(cfg))
+        store.prepare_store(uri, cfg.logger.experiment_name)
+        if parent := sweep_run.parent_run(cfg):  # a sweep job's run nests under its sweep's
+            tags["mlflow.parentRunId"] = parent
+    names = {"experiment_name": cfg.logger.experiment_name, "run_name": cfg.logger.run_name}
     logger = EpochMLFlowLogger(
-        experiment_name=cfg.logger.experiment_name,
-        run_name=cfg.logger.run_name,
-        tracking_uri=uri,
-        artifact_location=artifact_location(uri),
-        tags=tags,
-        run_id=f"offline-{uuid.uuid4().hex}" if offline else continue_run,
-    )
-    if offline:  # the run is a record for src.sync to create later; nothing contacts the server
+        **names, tracking_uri=uri, artifact_location=store.artifact_location(uri), tags=tags,
+        run_id=f"offline-{uuid.uuid4().hex}" if offline else continue_run, offline=offline,
+    )  # fmt: skip
+    if offline:  # the run is a record for src.sync to create later
         from mlflow.tracking.context.registry import resolve_tags
 
-        logger.offline = True
-        logger.continued = False
         logger.outbox = Outbox(Path(cfg.paths.output_dir), without_password(uri))
-        tags = resolve_tags({k: str(v) for k, v in (logger.tags or {}).items()})
-        logger.outbox.append(
-            encode("create_run", logger.run_id, experiment_name=cfg.logger.experiment_name,
-                   run_name=cfg.logger.run_name, tags=tags)
-        )  # fmt: skip
-    return [logger, *extra]
-
-
-def sweep_parent(cfg: DictConfig) -> dict[str, str]:
-    """A sweep job's run nests under its sweep's parent run (see sweep_run.py)."""
-    parent = sweep_run.parent_run(cfg)
-    return {"mlflow.parentRunId": parent} if parent else {}
+        logger.outbox.append(encode("create_run", logger.run_id, **names, tags=resolve_tags(tags)))
+    return [logger, *loggers]
 
 
 def mlflow_logger(loggers: list[Logger]) -> MLFlowLogger | None:
     return next((logger for logger in loggers if isinstance(logger, MLFlowLogger)), None)
 
 
-def mask_secrets(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Values whose key looks like a credential become ``***``; URLs lose their password."""
-    return {
-        key: MASK if SECRET_KEY.search(key) else mask_text(v) if isinstance(v, str) else v
-        for key, v in values.items()
+def run_tags(cfg: DictConfig) -> dict[str, str]:
+    """Where a run came from: command, overrides, output folder, host, sweep."""
+    command = [f"python -m src.{Path(sys.argv[0]).stem}", *map(store.mask_override, sys.argv[1:])]
+    tags = {
+        "command": " ".join(command),
+        "hydra.overrides": " ".join(map(store.mask_override, HydraConfig.get().overrides.task)),
+        "hydra.output_dir": str(cfg.paths.output_dir),
+        "host": socket.gethostname(),
+        "task": str(cfg.task_name),
+        "world_size": str(requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)),
     }
+    tags["hydra.overrides"] = tags["hydra.overrides"] or "(none)"
+    if job := sweep_job():
+        tags["sweep.id"], tags["sweep.job"] = job[0].name, job[1]
+    return tags
 
 
-def run_params(cfg: DictConfig, trainer: L.Trainer) -> dict[str, Any]:
-    """The resolved config, flattened, plus what the hardware turned it into."""
+def user_tags(logger: DictConfig, reserved: Sequence[str]) -> dict[str, str]:
+    """``logger.tags`` (name -> value) and ``logger.notes`` as run tags; the names the template
+    sets (``reserved``) are refused."""
+    given = logger.get("tags") or {}
+    if not isinstance(given, Mapping):
+        raise TrackingError(
+            f"logger.tags={given} is not a set of name: value pairs; use e.g. "
+            "'logger.tags={team: vision}' or +logger.tags.team=vision"
+        )
+    for key in given:
+        if key in reserved or key == NOTE_TAG:
+            use = "logger.notes" if key == NOTE_TAG else "another name"
+            raise TrackingError(f"logger.tags.{key} is a tag the template sets; use {use}")
+    notes = {NOTE_TAG: str(logger.notes)} if logger.get("notes") else {}
+    return {str(k): str(v) for k, v in given.items()} | notes
+
+
+def run_to_continue(
+    saved: Mapping[str, Any] | None, cfg: DictConfig, auto: bool = False
+) -> str | None:
+    """``logger.run_id`` (refused if not a run of the store); else a resumed job's checkpoint's
+    run if it is in this store and ``logger.continue_run``; with ``ckpt_path=auto`` and no
+    checkpoint yet, the run a job in this output folder opened (it stopped before one)."""
+    if cfg.logger.kind != "mlflow" or cfg.logger.get("offline"):
+        return None  # an offline placeholder's run does not exist on the server yet
+    uri, named = cfg.logger.tracking_uri, cfg.logger.get("run_id")
+    opened, here = Path(cfg.paths.output_dir, RUN_ID_FILE), without_password(uri)
+    if not named:
+        source = (saved or {}).get("mlflow")
+        if auto and not saved and opened.is_file():
+            source = {"run_id": opened.read_text().strip(), "tracking_uri": here}
+        if not cfg.logger.get("continue_run", True) or (source or {}).get("tracking_uri") != here:
+            return None
+    run_id = str(named or source["run_id"])
+    if not store.talks_to_store(cfg):
+        return run_id
+    from mlflow import MlflowClient
+
+    try:
+        if named and (database := sqlite_file(uri)) and not database.is_file():
+            raise FileNotFoundError("no such store")
+        MlflowClient(uri).get_run(run_id)
+    except Exception as error:
+        if named:
+            raise TrackingError(
+                f"logger.run_id={run_id} is not a run of {here} "
+                f"({first_line(error)}). Leave it out to start a new run"
+            ) from error
+        rank_zero_warn(f"run {run_id} of the checkpoint is gone; starting a new run")
+        return None
+    return run_id
+
+
+def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> None:
+    """The resolved config and what the hardware made of it as params; the run's id in the output
+    folder: a job stopped before its first checkpoint continues it (``ckpt_path=auto``)."""
     params = flatten(OmegaConf.to_container(cfg, resolve=True))
     params.update(
         world_size=trainer.world_size,
@@ -185,124 +218,61 @@ def run_params(cfg: DictConfig, trainer: L.Trainer) -> dict[str, Any]:
         precision=trainer.precision,
         accelerator=type(trainer.accelerator).__name__,
     )
-    return mask_secrets(params)
-
-
-def run_tags(cfg: DictConfig) -> dict[str, str]:
-    """Where a run came from: command, overrides, output folder, host, sweep."""
-    hydra = HydraConfig.get()
-    command = [f"python -m src.{Path(sys.argv[0]).stem}", *map(mask_override, sys.argv[1:])]
-    tags = {
-        "command": " ".join(command),
-        "hydra.overrides": " ".join(mask_override(o) for o in hydra.overrides.task) or "(none)",
-        "hydra.output_dir": str(cfg.paths.output_dir),
-        "host": socket.gethostname(),
-        "task": str(cfg.task_name),
-        "world_size": str(requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)),
-    }
-    if job := sweep_job():
-        tags["sweep.id"], tags["sweep.job"] = job[0].name, job[1]
-    return tags
-
-
-NOTE_TAG = "mlflow.note.content"  # what the MLflow UI shows and edits as a run's description
-
-
-def user_tags(logger: DictConfig, reserved: Sequence[str]) -> dict[str, str]:
-    """``logger.tags`` (name -> value) and ``logger.notes`` as run tags; the names the template
-    sets (``reserved``: where the run came from) are refused."""
-    given = logger.get("tags") or {}
-    if not isinstance(given, Mapping):
-        raise TrackingError(
-            f"logger.tags={given} is not a set of name: value pairs; use e.g. "
-            "'logger.tags={team: vision}' or +logger.tags.team=vision"
-        )
-    tags = {str(k): str(v) for k, v in given.items()}
-    for key in tags:
-        if key in reserved or key == NOTE_TAG:
-            use = "logger.notes" if key == NOTE_TAG else "another name"
-            raise TrackingError(f"logger.tags.{key} is a tag the template sets; use {use}")
-    if logger.get("notes"):
-        tags[NOTE_TAG] = str(logger.notes)
-    return tags
-
-
-def run_to_continue(
-    saved: Mapping[str, Any] | None, cfg: DictConfig, auto: bool = False
-) -> str | None:
-    """``logger.run_id`` if set; for a resumed job, its checkpoint's run if it is in this
-    store and ``logger.continue_run``; with ``ckpt_path=auto`` and no checkpoint yet, the run a
-    job in this output folder opened (it stopped before its first checkpoint); else None."""
-    if cfg.logger.kind != "mlflow" or cfg.logger.get("offline"):
-        return None  # an offline placeholder's run does not exist on the server yet
-    if cfg.logger.get("run_id"):
-        return named_run(cfg)
-    opened = Path(cfg.paths.output_dir, RUN_ID_FILE)
-    if auto and not saved and opened.is_file():
-        saved = {"mlflow": {"run_id": opened.read_text().strip(),
-                            "tracking_uri": without_password(cfg.logger.tracking_uri)}}  # fmt: skip
-    source = (saved or {}).get("mlflow")
-    if not cfg.logger.get("continue_run", True) or not source:
-        return None
-    if source["tracking_uri"] != without_password(cfg.logger.tracking_uri):
-        return None
-    if not talks_to_store(cfg):
-        return source["run_id"]
-    from mlflow import MlflowClient
-
-    try:
-        MlflowClient(cfg.logger.tracking_uri).get_run(source["run_id"])
-    except Exception:
-        rank_zero_warn(f"run {source['run_id']} of the checkpoint is gone; starting a new run")
-        return None
-    return source["run_id"]
-
-
-def named_run(cfg: DictConfig) -> str:
-    """``logger.run_id``, checked (by rank 0) to be a run of this job's store."""
-    run_id, uri = str(cfg.logger.run_id), cfg.logger.tracking_uri
-    if not talks_to_store(cfg):
-        return run_id
-    from mlflow import MlflowClient
-
-    not_a_run = f"logger.run_id={run_id} is not a run of {without_password(uri)}"
-    if (database := sqlite_file(uri)) and not database.is_file():
-        raise TrackingError(f"{not_a_run} (no such store). Leave it out to start a new run")
-    try:
-        MlflowClient(uri).get_run(run_id)
-    except Exception as error:
-        reason = str(error).strip().splitlines()[0][:120]
-        raise TrackingError(f"{not_a_run} ({reason}). Leave it out to start a new run") from error
-    return run_id
-
-
-def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> None:
-    """The run's params (for MLflow in full) and, in the output folder, the run's id: a job
-    stopped before its first checkpoint continues it (``ckpt_path=auto``, or ``logger.run_id=``)."""
-    params = run_params(cfg, trainer)
+    params = store.mask_secrets(params)
     for logger in loggers:
-        if isinstance(logger, EpochMLFlowLogger) and logger.continued:
-            reopen_run(logger, params)
-        elif isinstance(logger, MLFlowLogger):
-            log_mlflow_params(logger, params)
-        else:
+        if not isinstance(logger, MLFlowLogger):
             logger.log_hyperparams(params)
-        if isinstance(logger, MLFlowLogger):
-            Path(cfg.paths.output_dir, RUN_ID_FILE).write_text(logger.run_id + "\n")
+            continue
+        log_params(logger, params)
+        Path(cfg.paths.output_dir, RUN_ID_FILE).write_text(logger.run_id + "\n")
+
+
+@rank_zero_only
+def log_params(logger: MLFlowLogger, params: Mapping[str, Any]) -> None:
+    """In full: Lightning's log_hyperparams cuts values at 250 characters, silently. A continued
+    run is RUNNING again, and as MLflow never changes a logged param, what differs from the
+    first job (params, tags) goes into ``resume.<n>.`` tags."""
+    from mlflow.entities import Param, RunTag
+
+    client, run_id, tags = logger.experiment, logger.run_id, {}
+    if getattr(logger, "continued", False):
+        run = client.get_run(run_id)
+        old, count = run.data.params, int(run.data.tags.get("resume.count", "0")) + 1
+        changed = [
+            f"{k}: {old[k]} -> {v}" for k, v in params.items() if old.get(k, str(v)) != str(v)
+        ]
+        client.update_run(run_id, status="RUNNING")
+        for key in run.data.metrics:  # now, while the server answers: see log_metrics
+            steps = [m.step for m in client.get_metric_history(run_id, key)]
+            logger.last_step[key] = max(steps, default=-1)
+        tags = {
+            f"resume.{count}.{key}": value
+            for key, value in logger.tags.items()
+            if run.data.tags.get(key) != value and not key.startswith("mlflow.")
+        }
+        tags["resume.count"] = str(count)
+        tags[f"resume.{count}.changed_params"] = "\n".join(changed)[:5000] or "(none)"
+        params = {k: v for k, v in params.items() if k not in old}
+    entries = []
+    for key, value in params.items():
+        text = str(value)
+        if len(text) > PARAM_LIMIT:
+            rank_zero_warn(f"param {key} is {len(text)} characters; logged cut to {PARAM_LIMIT}")
+            text = text[: PARAM_LIMIT - 30] + " ...[cut: see config.yaml]"
+        entries.append(Param(key, text))
+    client.log_batch(run_id, params=entries, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
 @contextmanager
 def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
-    """Against a server, the run's records go through a durable outbox sent by a background
-    thread (the job never waits for the server); at the end, wait up to
-    ``logger.send_timeout_s`` and say in one line what is left. SQLite is written directly.
-    A TensorBoard events file is closed then."""
+    """Against a server, the run's records go through the outbox (SQLite is written directly);
+    at the end, wait up to ``logger.send_timeout_s`` for them, and close TensorBoard's file."""
     logger = mlflow_logger(loggers)
     uri = cfg.logger.get("tracking_uri", "")
     if isinstance(logger, EpochMLFlowLogger) and logger.outbox is None and not sqlite_file(uri):
-        outbox = Outbox(Path(cfg.paths.output_dir), without_password(uri))
-        logger.sender = Sender(outbox, logger.experiment)
-        logger.outbox = outbox
+        client = logger.experiment  # the server's: it opens the run
+        logger.outbox = Outbox(Path(cfg.paths.output_dir), without_password(uri))
+        logger.sender = Sender(logger.outbox, client)
         logger.sender.start()
     try:
         yield
@@ -316,61 +286,30 @@ def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
 
 
 @rank_zero_only
-def reopen_run(logger: EpochMLFlowLogger, params: Mapping[str, Any]) -> None:
-    """A resumed job's run is RUNNING again. MLflow never changes a logged param, so what
-    differs from the first job (params, tags) goes into ``resume.<n>.`` tags."""
-    run = logger.experiment.get_run(logger.run_id)
-    count = int(run.data.tags.get("resume.count", "0")) + 1
-    old = run.data.params
-    changed = [f"{k}: {old[k]} -> {v}" for k, v in params.items() if k in old and old[k] != str(v)]
-    logger.experiment.update_run(logger.run_id, status="RUNNING")
-    for key in run.data.metrics:  # now, while the server answers: see log_metrics
-        history = logger.experiment.get_metric_history(logger.run_id, key)
-        logger.last_step[key] = max((m.step for m in history), default=-1)
-    tags = {
-        f"resume.{count}.{key}": value
-        for key, value in logger.tags.items()
-        if run.data.tags.get(key) != value and not key.startswith("mlflow.")
-    }
-    tags["resume.count"] = str(count)
-    tags[f"resume.{count}.changed_params"] = "\n".join(changed)[:5000] or "(none)"
-    for key, value in tags.items():
-        logger.experiment.set_tag(logger.run_id, key, value)
-    log_mlflow_params(logger, {k: v for k, v in params.items() if k not in old})
-
-
-@rank_zero_only
-def log_mlflow_params(logger: MLFlowLogger, params: Mapping[str, Any]) -> None:
-    # Lightning's log_hyperparams cuts values at 250 characters without saying so.
-    from mlflow.entities import Param
-
-    entries = []
-    for key, value in params.items():
-        text = str(value)
-        if len(text) > PARAM_LIMIT:
-            rank_zero_warn(f"param {key} is {len(text)} characters; logged cut to {PARAM_LIMIT}")
-            text = text[: PARAM_LIMIT - 30] + " ...[cut: see config.yaml]"
-        entries.append(Param(key, text))
-    for start in range(0, len(entries), 100):  # MLflow's batch limit
-        logger.experiment.log_batch(logger.run_id, params=entries[start : start + 100])
-
-
-@rank_zero_only
 def log_outcome(
     loggers: list[Logger], datamodule: Any, output_dir: Path, best_checkpoint: str,
     figures: list[Path],
 ) -> None:  # fmt: skip
-    """After training: the data read, the config, metrics, best checkpoint (a file that loads
-    with ``weights_only=True`` into src.eval/src.predict) and test figures."""
-    logger = mlflow_logger(loggers)
-    if logger is None:
+    """After training: the data read (as MLflow dataset inputs: split, size, digest), the config,
+    metrics, best checkpoint (it loads with ``weights_only=True``) and test figures."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    if (logger := mlflow_logger(loggers)) is None:
         return
-    log_datasets(logger, datamodule.describe_splits(), datamodule.source, datamodule.name)
-    files = [("", output_dir / "config.yaml"), ("", output_dir / "metrics.json")]
+    source = json.dumps({"uri": str(datamodule.source)})
+    inputs = [
+        DatasetInput(
+            Dataset(f"{datamodule.name}/{split}", digest, source_type="local", source=source),
+            tags=[InputTag("mlflow.data.context", split), InputTag("samples", str(samples))],
+        )
+        for split, (samples, digest) in datamodule.describe_splits().items()
+    ]
+    logger.experiment.log_inputs(logger.run_id, datasets=inputs)
+    files = [(None, output_dir / "config.yaml"), (None, output_dir / "metrics.json")]
     files += [("checkpoints", Path(best_checkpoint))] if best_checkpoint else []
     files += [("figures", path) for path in figures]
     for folder, path in files:
-        logger.experiment.log_artifact(logger.run_id, str(path), artifact_path=folder or None)
+        logger.experiment.log_artifact(logger.run_id, str(path), artifact_path=folder)
 
 
 @rank_zero_only
@@ -389,10 +328,10 @@ def log_model(
     try:
         folder = export.save_model(task.export(model, datamodule), output_dir / export.MODEL_FOLDER)
     except Exception as error:
-        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else repr(error)
         rank_zero_warn(
-            f"the model was not logged as an MLflow model: exporting it failed ({reason}). "
-            "The checkpoint is logged as before; logger.log_model=false skips this step"
+            f"the model was not logged as an MLflow model: exporting it failed "
+            f"({first_line(error, 200)}). The checkpoint is logged as before; "
+            "logger.log_model=false skips this step"
         )
         return
     name, key = settings.get("registered_model_name"), uuid.uuid4().hex
@@ -405,29 +344,11 @@ def log_model(
         print(f"MLflow model saved in {folder}; it is logged to run {logger.run_id}{then} "
               "when the run's records are sent")  # fmt: skip
         return
-    model_id, version = export.log_model(
-        logger.experiment.tracking_uri, logger.run_id, folder, step, key, name, metrics
-    )
+    uri, run_id = logger.experiment.tracking_uri, logger.run_id
+    model_id, version = export.log_model(uri, run_id, folder, step, key, name, metrics)
     served = f"models:/{name}/{version}" if name else f"models:/{model_id}"
-    print(f"MLflow model {served} of run {logger.run_id}. Serve it: "
+    print(f"MLflow model {served} of run {run_id}. Serve it: "
           f"mlflow models serve -m {served} --env-manager local")  # fmt: skip
-
-
-def log_datasets(
-    logger: MLFlowLogger, splits: Mapping[str, tuple[int, str]], source: str, name: str
-) -> None:
-    """MLflow dataset inputs, so the UI shows what data a run used: split, size, digest."""
-    from mlflow.entities import Dataset, DatasetInput, InputTag
-
-    origin = json.dumps({"uri": str(source)})
-    inputs = [
-        DatasetInput(
-            Dataset(f"{name}/{split}", digest, source_type="local", source=origin),
-            tags=[InputTag("mlflow.data.context", split), InputTag("samples", str(samples))],
-        )
-        for split, (samples, digest) in splits.items()
-    ]
-    logger.experiment.log_inputs(logger.run_id, datasets=inputs)
 
 
 def source_tags(source: Mapping[str, str] | None, ckpt_path: str, tracking_uri: str) -> dict:
@@ -455,36 +376,22 @@ def attach_to_source_run(source: Mapping[str, str] | None, path: Path, folder: s
 
 def callbacks(loggers: list[Logger], cfg: DictConfig) -> list[Callback]:
     """On rank 0, the run's bookkeeping; on every rank, system metrics (one sampler per node)."""
-    logger = mlflow_logger(loggers)
-    found: list[Callback] = []
-    if logger is not None:
-        found += [RecordRunInCheckpoint(logger, cfg.logger.tracking_uri), SkipCutEpoch(logger)]
+    logger, uri = mlflow_logger(loggers), cfg.logger.get("tracking_uri", "")
+    found: list[Callback] = [RunBookkeeping(logger, uri)] if logger else []
     if cfg.logger.kind == "mlflow" and cfg.logger.system_metrics_s and not cfg.logger.offline:
-        found.append(
-            SystemMetrics(
-                logger, cfg.logger.tracking_uri, cfg.logger.system_metrics_s,
-                Path(cfg.paths.output_dir), cfg.logger.get("send_timeout_s", 0),
-                every_node=not sqlite_file(cfg.logger.tracking_uri),
-            )
-        )  # fmt: skip
+        found.append(SystemMetrics(logger, cfg.logger, Path(cfg.paths.output_dir)))
     return found
 
 
-class SkipCutEpoch(Callback):
-    """Tells the logger when ``max_steps`` cut an epoch short (Lightning still logs its end)."""
-
-    def __init__(self, logger: EpochMLFlowLogger) -> None:
-        self.logger = logger
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.logger.cut_epoch = None if epoch_finished(trainer) else trainer.current_epoch
-
-
-class RecordRunInCheckpoint(Callback):
-    """Stores the MLflow run in every checkpoint, so eval/predict can link back to it."""
+class RunBookkeeping(Callback):
+    """Stores the run in every checkpoint (eval and predict link back to it), and tells the
+    logger when ``max_steps`` cut an epoch short (Lightning still logs its end)."""
 
     def __init__(self, logger: MLFlowLogger, tracking_uri: str) -> None:
         self.logger, self.tracking_uri = logger, tracking_uri
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.logger.cut_epoch = None if epoch_finished(trainer) else trainer.current_epoch
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
