@@ -3,14 +3,11 @@ folder, checked before a job relies on one (naming the layer or config keys that
 loaded for eval and predict: the model and its data from the checkpoint alone."""
 
 import inspect
-import os
-import shutil
-import uuid
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -21,33 +18,13 @@ from omegaconf import OmegaConf
 from torchmetrics import Metric
 
 from src.template.config import flatten
+from src.template.files import copy_atomically, write_atomically
 from src.template.resume import epoch_finished
 from src.template.task import Task
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing or does not fit the requested job."""
-
-
-def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    """``write`` to a temporary file beside ``path``, fsync, rename it over ``path``: a reader
-    (another rank) or a crash sees the old file or the new one, never part of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with temp.open("xb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)  # the rename itself survives a power loss
-    finally:
-        os.close(folder)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -58,16 +35,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None
     ) -> None:
         write_atomically(Path(path), lambda file: torch.save(checkpoint, file))
-
-
-def copy_atomically(source: Path, target: Path) -> None:
-    """``source`` to ``target`` unless already copied (same size and time, as copystat keeps)."""
-    old, new = source.stat(), target.stat() if target.is_file() else None
-    if new and (old.st_size, old.st_mtime_ns) == (new.st_size, new.st_mtime_ns):
-        return
-    with source.open("rb") as file:
-        write_atomically(target, lambda out: shutil.copyfileobj(file, out))
-    shutil.copystat(source, target)
 
 
 class EpochEndCheckpoint(ModelCheckpoint):

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from src.template.files import write_text_atomically
 from src.template.store import EXPERIMENT_TAGS, first_line
 
 log = logging.getLogger(__name__)
@@ -99,13 +100,6 @@ def create_run(client: Any, record: dict[str, Any]) -> str:
     ).info.run_id  # fmt: skip
 
 
-def replace_text(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all."""
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(text)
-    temporary.replace(path)
-
-
 class Outbox:
     """The records of one job's run, on disk, and how many of them the server has. Its process
     holds a lock on the file until it closes it (or dies): one sender at a time."""
@@ -168,7 +162,7 @@ class Outbox:
         try:
             if record["method"] == "create_run":
                 self.runs[record["run_id"]] = create_run(client, record)
-                replace_text(self.runs_path, json.dumps(self.runs))
+                write_text_atomically(self.runs_path, json.dumps(self.runs))
             else:
                 send(client, {**record, "run_id": run_id})
         except Exception as error:  # refused (or the file is gone): sending again cannot help
@@ -179,7 +173,7 @@ class Outbox:
             log.warning("MLflow refused a %s record, left out: %s", record["method"], error)
         with self.changed:
             self.sent += 1
-            replace_text(self.sent_path, str(self.sent))
+            write_text_atomically(self.sent_path, str(self.sent))
             self.changed.notify_all()
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
+from src.template.files import write_text_atomically
 from src.template.store import locked, mask_override, without_password
 from src.template.sweeps import sweep_command, sweep_job, sweep_overrides, varied_overrides
 
@@ -45,7 +46,7 @@ def parent_run(cfg: DictConfig) -> str | None:
             tags={"sweep.parent": folder.name, "command": command},  # no task tag: not a job
         )
         saved = {"run_id": run.info.run_id, "tracking_uri": without_password(uri)}
-        path.write_text(json.dumps(saved))
+        write_text_atomically(path, json.dumps(saved))
         return run.info.run_id
 
 

@@ -17,6 +17,8 @@ from hydra.types import RunMode
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
+from src.template.files import write_text_atomically
+
 log = logging.getLogger(__name__)
 
 SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep folder>/<job number>" for a sweep's DDP job
@@ -70,7 +72,7 @@ def record_job(output_dir: Path, **result: float | None) -> None:
     if sweep_job() is not None:
         done = json.loads(path.read_text()) if path.is_file() else {}
         overrides = list(HydraConfig.get().overrides.task)
-        path.write_text(json.dumps({"overrides": overrides, **done, **result}))
+        write_text_atomically(path, json.dumps({"overrides": overrides, **done, **result}))
 
 
 def sweep_overrides(folder: Path) -> list[str]:

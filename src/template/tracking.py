@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.template import store, sweep_run
 from src.template.config import as_config_error, flatten
 from src.template.distributed import requested_processes
+from src.template.files import write_text_atomically
 from src.template.outbox import Outbox, OutboxClient, Sender, encode, finish
 from src.template.resume import epoch_finished
 from src.template.store import TrackingError, first_line, sqlite_file, without_password
@@ -224,7 +225,7 @@ def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> No
             logger.log_hyperparams(params)
             continue
         log_params(logger, params)
-        Path(cfg.paths.output_dir, RUN_ID_FILE).write_text(logger.run_id + "\n")
+        write_text_atomically(Path(cfg.paths.output_dir, RUN_ID_FILE), logger.run_id + "\n")
 
 
 @rank_zero_only

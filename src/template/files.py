@@ -1,0 +1,46 @@
+"""Files written whole or not at all: a reader (another rank, a job run again) or a crash sees
+the old file or the new one, never part of one."""
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """``write`` to a temporary file beside ``path``, fsync, rename it over ``path``: a reader
+    (another rank) or a crash sees the old file or the new one, never part of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with temp.open("xb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself survives a power loss
+    finally:
+        os.close(folder)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """The small files a job run again reads back (its sweep record, its run id): a kill in
+    mid-write must not leave half of one."""
+    write_atomically(path, lambda file: file.write(text.encode()))
+
+
+def copy_atomically(source: Path, target: Path) -> None:
+    """``source`` to ``target`` unless already copied (same size and time, as copystat keeps)."""
+    old, new = source.stat(), target.stat() if target.is_file() else None
+    if new and (old.st_size, old.st_mtime_ns) == (new.st_size, new.st_mtime_ns):
+        return
+    with source.open("rb") as file:
+        write_atomically(target, lambda out: shutil.copyfileobj(file, out))
+    shutil.copystat(source, target)
