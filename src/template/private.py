@@ -1,23 +1,18 @@
-"""Every private API of a dependency the machinery relies on, in one place, each because no
-public one does the job. ``tests/test_private.py`` pins each one: an upgrade that changes any
-of them fails there, loudly, instead of the machinery silently falling back.
+"""Every private API of a dependency the machinery uses, each because no public one does the job,
+pinned by ``tests/test_private.py`` so that an upgrade changing one fails there, loudly.
 
-Lightning (pinned in pyproject.toml):
-
-* ``_SubprocessScriptLauncher``: the launcher that re-runs the command for ranks 1..N-1. It has
-  no hook to watch the processes it starts, so :class:`~src.template.distributed.WatchedLauncher`
-  subclasses it, overriding ``launch`` and calling ``_call_children_scripts()`` and reading
-  ``procs``; ``DDPStrategy._configure_launcher()`` / ``._launcher`` install it.
-* ``_set_num_threads_if_needed``: the CPU thread count each rank gets, as Lightning's launch.
-
-MLflow (pinned): ``SystemMetricsMonitor``'s samplers, used without its logging loop
-(``collect_metrics()``, ``aggregate_metrics()``, ``monitors`` and their ``clear_metrics()``):
-MLflow's loop writes to the store directly and stops at the first failed request.
-
-LitData (pinned), in the task's ``src/task/data/shards.py`` for ``s3://`` shards: its obstore
-client options (``downloader._OBSTORE_CLIENT_OPTIONS``, to allow an ``http://`` endpoint), and
-``StreamingDataset._create_cache(worker_env=_WorkerEnv.detect())`` with ``on_demand_bytes =
-False`` (whole shards into the bounded cache instead of one ranged request per sample).
+* Lightning: ``_SubprocessScriptLauncher`` (re-runs the command for ranks 1..N-1) has no hook to
+  watch what it starts: :class:`~src.template.distributed.WatchedLauncher` subclasses it (its
+  ``launch``, ``_call_children_scripts()``, ``procs``), installed by
+  ``DDPStrategy._configure_launcher()`` / ``._launcher``; ``_set_num_threads_if_needed``, each
+  rank's CPU threads as Lightning's launch sets them.
+* MLflow: ``SystemMetricsMonitor``'s samplers without its loop (``collect_metrics()``,
+  ``aggregate_metrics()``, ``monitors``, ``clear_metrics()``), which stops at the first failed
+  request.
+* LitData, in the task's ``src/task/data/shards.py`` for ``s3://`` shards:
+  ``downloader._OBSTORE_CLIENT_OPTIONS`` (to allow ``http://``) and
+  ``StreamingDataset._create_cache(worker_env=_WorkerEnv.detect())`` with ``on_demand_bytes =
+  False`` (whole shards into the bounded cache, not a ranged request per sample).
 """
 
 from lightning.fabric.utilities.distributed import (
