@@ -89,7 +89,7 @@ def as_config_error(section: str) -> Iterator[None]:
     try:
         yield
     except (TypeError, ValueError, ConfigError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = (str(error).strip() or type(error).__name__).splitlines()[0]
         raise ConfigError(f"{section} settings refused: {reason}") from error
 
 
@@ -116,21 +116,15 @@ def typed_keys(section: str) -> set[str]:
     group option itself (``data=mnist``)."""
     if not HydraConfig.initialized():
         return set()
-    keys = set()
-    for override in HydraConfig.get().overrides.task:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key == section:
-            keys.add("")
-        elif key.startswith(f"{section}."):
-            keys.add(key.removeprefix(f"{section}.").split(".")[0])
-    return keys
+    keys = [f"{o.split('=', 1)[0].lstrip('+~')}." for o in HydraConfig.get().overrides.task]
+    prefix = f"{section}."
+    return {key.removeprefix(prefix).split(".")[0] for key in keys if key.startswith(prefix)}
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """``{"model": {"lr": 0.1}}`` → ``{"model.lr": 0.1}``: the keys people type as overrides."""
-    if isinstance(tree, Mapping):
-        flat: dict[str, Any] = {}
-        for key, value in tree.items():
-            flat.update(flatten(value, f"{prefix}{key}."))
-        return flat
-    return {prefix.rstrip("."): tree}
+    if not isinstance(tree, Mapping):
+        return {prefix.rstrip("."): tree}
+    return {
+        k: v for key, value in tree.items() for k, v in flatten(value, f"{prefix}{key}.").items()
+    }

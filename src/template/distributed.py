@@ -1,6 +1,5 @@
 """Rank-aware process handling: the watched DDP strategy, process counts and who started them,
-device checks, per-rank logs, and leaving nothing distributed behind. (The samplers live with
-the data: :mod:`src.template.data`, :mod:`src.template.resume`.)"""
+device checks, per-rank logs, and leaving nothing distributed behind."""
 
 import hashlib
 import logging
@@ -13,13 +12,10 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
-from lightning.fabric.plugins.environments import (
-    LightningEnvironment,
-    SLURMEnvironment,
-    TorchElasticEnvironment,
-)
+from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
@@ -30,9 +26,9 @@ from src.template.private import SubprocessScriptLauncher, set_num_threads_if_ne
 from src.template.shutdown import LAUNCHER_PID_ENV, watch_launcher, watch_ranks
 
 log = logging.getLogger(__name__)
-# CPU ranks per core: beyond one they share cores (the tests do, on purpose), beyond two it is
-# a mistake.
-CPU_RANKS_PER_CORE = 2
+CPU_RANKS_PER_CORE = (
+    2  # beyond 1, ranks share cores (the tests do, on purpose); beyond 2: a mistake
+)
 BATCH_NORMS = tuple(getattr(nn, name) for name in nn.modules.batchnorm.__all__)
 
 
@@ -99,15 +95,12 @@ class WatchedDDPStrategy(DDPStrategy):
         self.watch_s, self.exit_grace_s = watch_s, exit_grace_s
         self.watching_launcher = False  # in a rank process: the launcher-watch thread runs
 
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if type(self._launcher) is SubprocessScriptLauncher:
-            self._launcher = WatchedLauncher(self)
+    def _configure_launcher(self) -> None:  # Lightning's: the launcher for start_method="popen"
+        self._launcher = WatchedLauncher(self)
 
 
 class WatchedLauncher(SubprocessScriptLauncher):
-    """Lightning's launcher (private: it has no hook to watch what it starts), whose ``launch``
-    this mirrors with the watchdog in place of Lightning's observer, which SIGKILLs the launching
+    """Lightning's ``launch`` with our watchdog for its observer, which SIGKILLs the launching
     process and so leaves the run RUNNING, the dead rank unnamed."""
 
     def __init__(self, strategy: WatchedDDPStrategy) -> None:
@@ -132,7 +125,11 @@ class WatchedLauncher(SubprocessScriptLauncher):
 def check_devices(accelerator: str, devices: Any, num_nodes: Any) -> None:
     """Refuse in this project's words (Lightning's errors name its internals) device and node
     counts Lightning cannot take, more GPUs than there are, more CPU ranks than cores can run."""
-    gpu, gpus, cores = uses_gpu(accelerator), torch.cuda.device_count(), cpu_cores()
+    gpu, gpus = uses_gpu(accelerator), torch.cuda.device_count()
+    # This process's CPU affinity (a container's, taskset's, SLURM's), or the machine's cores
+    # where torchrun or srun started each rank (and may have bound it to a few).
+    affinity = external_rank() is None and hasattr(os, "sched_getaffinity")
+    cores = len(os.sched_getaffinity(0)) if affinity else os.cpu_count() or 1
     indices = isinstance(devices, Sequence) and not isinstance(devices, str)
     if indices:
         valid = len(devices) > 0 and all(is_count(i, 0) for i in devices)
@@ -161,14 +158,6 @@ def check_devices(accelerator: str, devices: Any, num_nodes: Any) -> None:
     for refused, message in checks:
         if refused:
             raise ConfigError(message)
-
-
-def cpu_cores() -> int:
-    """The cores this node's ranks can use: this process's CPU affinity (a container's, taskset's,
-    SLURM's), or the machine's where torchrun or srun started each rank (bound to a few)."""
-    if external_rank() is None and hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def use_sync_batchnorm(wanted: bool, model: nn.Module, accelerator: str) -> bool:

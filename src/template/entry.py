@@ -11,22 +11,17 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException as C
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from src.template.checkpoint import CheckpointError
+from src.template import checkpoint, data, reporting, shutdown, store, sweeps
 from src.template.config import describe_config_error
-from src.template.data import DataError
 from src.template.distributed import job_scope
 from src.template.environment import environment
-from src.template.reporting import quiet_library_notices, short_errors, show_error
-from src.template.shutdown import RankFailed
-from src.template.store import TrackingError
-from src.template.sweeps import SweepFolderTaken, SweepJobFailed, register_resolvers
 from src.template.task import Task
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 # Errors that mean bad input or a failed rank: shown as one line, no traceback.
 EXPECTED = (
-    DataError, CheckpointError, TrackingError, ConfigError, RankFailed, SweepJobFailed,
-    SweepFolderTaken,
+    data.DataError, checkpoint.CheckpointError, store.TrackingError, ConfigError,
+    shutdown.RankFailed, sweeps.SweepJobFailed, sweeps.SweepFolderTaken,
 )  # fmt: skip
 
 
@@ -38,17 +33,17 @@ def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -
 
     @hydra.main(version_base="1.3", config_path=str(CONF), config_name=config_name)
     def run(cfg: DictConfig) -> Any:
-        quiet_library_notices()  # here: a SLURM sweep job runs this function, not main()
-        with short_errors(*expected), job_scope():
+        reporting.quiet_library_notices()  # here: a SLURM sweep job runs this function, not main()
+        with reporting.short_errors(*expected), job_scope():
             return job(cfg, task)
 
-    register_resolvers()
+    sweeps.register_resolvers()
     with environment(HYDRA_FULL_ERROR="1"):
         try:
             run()
         except (HydraException, OmegaConfBaseException) as error:
-            show_error(describe_config_error(error))
+            reporting.show_error(describe_config_error(error))
             raise SystemExit(1) from None
         except expected as error:
-            show_error(str(error))
+            reporting.show_error(str(error))
             raise SystemExit(1) from None

@@ -1,8 +1,5 @@
-"""How a job ends early: never hanging, never leaving orphan processes or a RUNNING run
-(docs/troubleshooting.md). A stop signal stops every rank at one step, with its checkpoint: run
-KILLED, exit 128 + signal. A dead rank is named, the other ranks killed: run FAILED, exit 1. A
-rank whose launching process died exits. Any other error: run FAILED.
-"""
+"""How a job ends early (docs/troubleshooting.md): never hanging, never leaving orphan processes
+or a RUNNING run, a dead rank named."""
 
 import logging
 import os
@@ -27,15 +24,9 @@ LAUNCHER_PID_ENV = "TEMPLATE_LAUNCHER_PID"  # set for the rank processes Lightni
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
 class StopOnSignal(Callback):
-    """Ctrl-C, SIGTERM, SIGUSR1 or SIGUSR2 (a scheduler's warning) while training is recorded; every
-    ``check_every_n_steps`` steps the ranks agree on it (an all-reduce: not every step, as on a
-    GPU that costs a device-to-host read) and stop together with ``last.ckpt`` of that step. A
-    second signal stops at once."""
+    """A stop signal while training is recorded; every ``check_every_n_steps`` steps (an
+    all-reduce, a device-to-host read) ranks agree on it and stop with that step's ``last.ckpt``."""
 
     def __init__(self, check_every_n_steps: int = 1) -> None:
         self.check_every_n_steps = check_every_n_steps
@@ -51,10 +42,11 @@ class StopOnSignal(Callback):
             "stop now)", self.requested.name,
         )  # fmt: skip
 
-    def install(self) -> None:
-        if _in_main_thread():
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, self.handle)
+    def install(self) -> dict[int, Any]:
+        """Handle the stop signals (in the main thread, where Python can); the handlers replaced."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {sig: signal.signal(sig, self.handle) for sig in STOP_SIGNALS}
 
     def _defer(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Replaces the SIGTERM handler Lightning installs for fit (it restores ours after fit).
@@ -90,10 +82,6 @@ class StopOnSignal(Callback):
         self._stop_if_agreed(trainer)
         self._deferring = False
 
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.requested or signal.SIGINT)
-
 
 class RankFailed(RuntimeError):
     """A rank process died; the message names it and how."""
@@ -123,8 +111,7 @@ def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
     """End the run KILLED on a stop signal, exit 128 + its number (Lightning: "failed", exit 1);
     FAILED on any other error, never RUNNING; a dead rank becomes a :class:`RankFailed`."""
     stop = next(c for c in trainer.callbacks if isinstance(c, StopOnSignal))
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if _in_main_thread() else {}
-    stop.install()
+    previous = stop.install()
     try:
         yield
     except BaseException as error:
@@ -143,7 +130,8 @@ def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
                 before(stop.requested, None)
             # Only rank 0 exits non-zero: under srun --kill-on-bad-exit another rank's exit code
             # would get rank 0 killed before it ends the run.
-            raise SystemExit(stop.exit_code if trainer.global_rank == 0 else 0) from error
+            code = 128 + (stop.requested or signal.SIGINT) if trainer.global_rank == 0 else 0
+            raise SystemExit(code) from error
         procs = getattr(trainer.strategy.launcher, "procs", None) or []  # none in a rank process
         deadline = time.monotonic() + 1  # a rank's sockets close just before it is reaped
         while procs and all(p.poll() is None for p in procs) and time.monotonic() < deadline:

@@ -28,9 +28,7 @@ from src.template.shutdown import StopOnSignal
 
 # Trainer arguments that build_trainer sets from other config: key -> where to set it instead.
 SET_BY_TEMPLATE = {
-    "accelerator": "the top-level key accelerator",
-    "devices": "the top-level key devices",
-    "num_nodes": "the top-level key num_nodes",
+    **{key: f"the top-level key {key}" for key in ("accelerator", "devices", "num_nodes")},
     "strategy": "the strategy group (strategy=ddp)",
     "sync_batchnorm": "strategy.sync_batchnorm",
     "logger": "the logger group (logger=mlflow|csv|none)",
