@@ -98,14 +98,6 @@ def dead_ranks(procs: list[subprocess.Popen], first_rank: int, output_dir: str) 
     ]
 
 
-def kill(procs: list[subprocess.Popen]) -> None:
-    """Kill the rank processes still running."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 @contextmanager
 def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
     """End the run KILLED on a stop signal, exit 128 + its number (Lightning: "failed", exit 1);
@@ -138,7 +130,8 @@ def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
             time.sleep(0.05)
         first = trainer.node_rank * trainer.num_devices + 1
         if dead := dead_ranks(procs, first, trainer.default_root_dir):
-            kill(procs)
+            for proc in procs:
+                proc.kill()  # Popen's kill skips those that ended
             raise RankFailed(f"{'; '.join(dead)}. The job stopped.") from error
         raise
     finally:
@@ -154,7 +147,7 @@ def watch_ranks(
     (it may be stuck in a collective), then end it: run FAILED, ranks killed, exit 1."""
 
     def watch() -> None:
-        while not dead_ranks(procs, first_rank, ""):
+        while all(proc.poll() in (None, 0) for proc in procs):
             time.sleep(every_s)
             stopping = any(c.requested for c in trainer.callbacks if isinstance(c, StopOnSignal))
             if stopping or all(proc.poll() == 0 for proc in procs):
@@ -165,7 +158,8 @@ def watch_ranks(
               file=sys.stderr, flush=True)  # fmt: skip
         for logger in trainer.loggers:
             logger.finalize("failed")
-        kill(procs)
+        for proc in procs:
+            proc.kill()
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="rank-watchdog").start()
