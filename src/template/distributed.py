@@ -6,7 +6,6 @@ import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +15,8 @@ from lightning.fabric.plugins.environments import LightningEnvironment, TorchEla
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
-from omegaconf import DictConfig
 from torch import nn
 
 from src.template.config import is_count
@@ -26,24 +24,9 @@ from src.template.private import SubprocessScriptLauncher, set_num_threads_if_ne
 from src.template.shutdown import LAUNCHER_PID_ENV, watch_launcher, watch_ranks
 
 log = logging.getLogger(__name__)
-CPU_RANKS_PER_CORE = (
-    2  # beyond 1, ranks share cores (the tests do, on purpose); beyond 2: a mistake
-)
+# CPU ranks per core: beyond 1 they share cores (the tests do, on purpose); beyond 2, a mistake.
+CPU_RANKS_PER_CORE = 2
 BATCH_NORMS = tuple(getattr(nn, name) for name in nn.modules.batchnorm.__all__)
-
-
-def build_strategy(cfg: DictConfig, processes: int) -> str | Strategy:
-    """``ddp``, or ``auto`` for several processes: the watched DDP (backend by default the
-    accelerator's: nccl on GPU, gloo on CPU); else the name, for Lightning to choose."""
-    if cfg.name not in ("ddp", "auto") or (cfg.name == "auto" and processes <= 1):
-        return cfg.name
-    return WatchedDDPStrategy(
-        watch_s=cfg.watch_s,
-        exit_grace_s=cfg.exit_grace_s,
-        process_group_backend=cfg.process_group_backend,
-        find_unused_parameters=cfg.find_unused_parameters,
-        timeout=timedelta(seconds=cfg.timeout_s),
-    )
 
 
 def requested_processes(accelerator: str, devices: Any, num_nodes: int) -> int:
@@ -208,9 +191,19 @@ class LogRankSetup(Callback):
 @contextmanager
 def job_scope() -> Iterator[None]:
     """Leave nothing distributed behind (a sweep runs its next job in this process): the process
-    group, the environment (Lightning's launcher sets MASTER_ADDR, WORLD_SIZE, ...), threads."""
-    threads, environment = torch.get_num_threads(), dict(os.environ)
-    separate_rank_log()
+    group, the environment (Lightning's launcher sets MASTER_ADDR, WORLD_SIZE, ...), threads.
+    Ranks that torchrun or srun started share Hydra's ``<task>.log``: rank N>0 writes
+    ``<task>_rank<N>.log`` instead (as Lightning's own write ``<task>_ddp_process_<N>.log``)."""
+    threads, environment, root = torch.get_num_threads(), dict(os.environ), logging.getLogger()
+    rank = external_rank()
+    for handler in [h for h in root.handlers if rank and isinstance(h, logging.FileHandler)]:
+        path = Path(handler.baseFilename)
+        own = logging.FileHandler(path.with_name(f"{path.stem}_rank{rank}{path.suffix}"))
+        own.setFormatter(handler.formatter)
+        own.setLevel(handler.level)
+        root.removeHandler(handler)
+        handler.close()
+        root.addHandler(own)
     try:
         yield
     finally:
@@ -219,19 +212,3 @@ def job_scope() -> Iterator[None]:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         torch.set_num_threads(threads)
-
-
-def separate_rank_log() -> None:
-    """Ranks that torchrun or srun started share Hydra's ``<task>.log``: ranks other than 0 write
-    ``<task>_rank<N>.log`` instead (as Lightning's own write ``<task>_ddp_process_<N>.log``)."""
-    if not (rank := external_rank()):
-        return
-    root = logging.getLogger()
-    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
-        path = Path(handler.baseFilename)
-        own = logging.FileHandler(path.with_name(f"{path.stem}_rank{rank}{path.suffix}"))
-        own.setFormatter(handler.formatter)
-        own.setLevel(handler.level)
-        root.removeHandler(handler)
-        handler.close()
-        root.addHandler(own)

@@ -1,6 +1,7 @@
 """Assembles the Lightning ``Trainer`` (hardware, strategy, callbacks) from config."""
 
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -17,7 +18,7 @@ from src.template.config import as_config_error, check_count, check_keys
 from src.template.data import per_device_batch_size
 from src.template.distributed import (
     LogRankSetup,
-    build_strategy,
+    WatchedDDPStrategy,
     check_devices,
     requested_processes,
     srun_starts_ranks,
@@ -119,11 +120,20 @@ def build_trainer(
     :class:`StopOnSignal` checkpoints and ``slurm/train.sbatch`` requeues."""
     processes = requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)
     srun = [SLURMEnvironment(auto_requeue=False)] if srun_starts_ranks(processes) else []
+    strategy, ddp = cfg.strategy.name, cfg.strategy  # ddp, or auto for several: watched DDP
+    if strategy == "ddp" or (strategy == "auto" and processes > 1):
+        strategy = WatchedDDPStrategy(
+            watch_s=ddp.watch_s,
+            exit_grace_s=ddp.exit_grace_s,
+            process_group_backend=ddp.process_group_backend,  # by default nccl on GPU, else gloo
+            find_unused_parameters=ddp.find_unused_parameters,
+            timeout=timedelta(seconds=ddp.timeout_s),
+        )
     return L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
-        strategy=build_strategy(cfg.strategy, processes),
+        strategy=strategy,
         sync_batchnorm=sync_batchnorm,
         logger=loggers or False,
         callbacks=list(callbacks),
