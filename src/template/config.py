@@ -30,16 +30,13 @@ def describe_config_error(error: Exception) -> str:
             f"{error.override} is not a valid override ({reason}); the form is key=value, "
             "quoted for the shell where it holds brackets or spaces: 'key=[1,2]'"
         )
-    cause = error.__cause__
     typed = re.match(r"Could not override '([^']+)'", str(error))
-    parent = getattr(cause, "parent_node", None)
+    parent = getattr(error.__cause__, "parent_node", None)
     if typed and isinstance(parent, DictConfig):
-        key = typed.group(1)
-        section = key.rpartition(".")[0]
+        key, section = typed.group(1), typed.group(1).rpartition(".")[0]
         where = f"{section} has" if section else "top-level keys are"
-        return f"{key} is not a config key{suggest(key, parent.keys(), section)}; {where}: " + (
-            ", ".join(sorted(str(k) for k in parent))
-        )
+        keys = ", ".join(sorted(str(k) for k in parent))
+        return f"{key} is not a config key{suggest(key, parent.keys(), section)}; {where}: {keys}"
     return str(error).strip().splitlines()[0]
 
 
