@@ -109,8 +109,7 @@ def check_devices(accelerator: str, devices: Any, num_nodes: Any) -> None:
     """Refuse in this project's words (Lightning's errors name its internals) device and node
     counts Lightning cannot take, more GPUs than there are, more CPU ranks than cores can run."""
     gpu, gpus = uses_gpu(accelerator), torch.cuda.device_count()
-    # This process's CPU affinity (a container's, taskset's, SLURM's), or the machine's cores
-    # where torchrun or srun started each rank (and may have bound it to a few).
+    # This process's CPU affinity, or the node's cores where torchrun or srun bound each rank.
     affinity = external_rank() is None and hasattr(os, "sched_getaffinity")
     cores = len(os.sched_getaffinity(0)) if affinity else os.cpu_count() or 1
     indices = isinstance(devices, Sequence) and not isinstance(devices, str)

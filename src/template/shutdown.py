@@ -69,8 +69,7 @@ class StopOnSignal(Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, index: int
     ) -> None:
-        # Not at an epoch's last step: its checkpoint, before validation, would skip validation
-        # on resume. The epoch's end stops instead.
+        # Not at an epoch's last step: a checkpoint before validation would skip it on resume.
         due = trainer.world_size == 1 or (index + 1) % self.check_every_n_steps == 0
         if due and not epoch_finished(trainer):
             self._stop_if_agreed(trainer, checkpoint=True)
@@ -120,8 +119,7 @@ def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
             before = previous.get(stop.requested)
             if callable(before) and before is not signal.default_int_handler:
                 before(stop.requested, None)
-            # Only rank 0 exits non-zero: under srun --kill-on-bad-exit another rank's exit code
-            # would get rank 0 killed before it ends the run.
+            # Only rank 0 fails: under srun --kill-on-bad-exit another rank would get it killed.
             code = 128 + (stop.requested or signal.SIGINT) if trainer.global_rank == 0 else 0
             raise SystemExit(code) from error
         procs = getattr(trainer.strategy.launcher, "procs", None) or []  # none in a rank process

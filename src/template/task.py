@@ -41,11 +41,9 @@ class Task:
     build_model: Callable[[dict[str, Any], L.LightningDataModule], L.LightningModule]
     # What each ``model`` config section is passed to, so typed keys are checked by name.
     config_targets: Callable[[Mapping[str, Any]], ConfigTargets]
-    # The validation metric that picks the best checkpoint, and whether higher is better.
-    monitor: str
-    mode: str
-    # Errors that mean bad input: shown as one line, no traceback.
-    errors: tuple[type[Exception], ...] = ()
+    monitor: str  # the validation metric that picks the best checkpoint
+    mode: str  # "max" if higher is better, else "min"
+    errors: tuple[type[Exception], ...] = ()  # bad input: shown as one line, no traceback
     # The served model (None: jobs log no MLflow model).
     export: Callable[[L.LightningModule, L.LightningDataModule], ModelExport] | None = None
     # Figures of the test split, written by rank 0 after testing; their paths.
