@@ -103,10 +103,10 @@ def test_watchdog_ends_a_job_whose_rank_zero_is_stuck(tmp_path: Path) -> None:
 import subprocess, sys, time
 from types import SimpleNamespace
 sys.path.insert(0, {str(PROJECT)!r})
-from src.template.shutdown import RankWatchdog
+from src.template.shutdown import watch_ranks
 rank = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"])
 trainer = SimpleNamespace(loggers=[], callbacks=[], default_root_dir={str(tmp_path)!r})
-RankWatchdog([rank], 1, trainer, every_s=0.2, grace_s=1).start()
+watch_ranks([rank], 1, trainer, every_s=0.2, grace_s=1)
 time.sleep(60)  # stuck
 """
     start = time.monotonic()

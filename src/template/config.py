@@ -1,10 +1,6 @@
-"""What a user typed, checked before any work, and refused in one line that names the fix.
-
-Hydra checks the command line against the YAML files (an unknown key, an unknown option of a
-group); :func:`run_entry_point` turns its multi-line reports into one line that lists what is
-valid. :func:`check_keys` checks what YAML cannot know: that a section added to with
-``+model.learning_rate=...`` still fits the constructor it is passed to.
-"""
+"""What a user typed, checked before any work and refused in one line that names the fix:
+Hydra's reports of the command line made one line, and what YAML cannot know (that
+``+model.learning_rate=...`` fits what ``model`` is passed to) checked."""
 
 import difflib
 import inspect
@@ -14,34 +10,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.errors import MissingConfigException, OverrideParseException
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from src.template.environment import environment
-from src.template.reporting import show_error
-from src.template.sweeps import register_resolvers
-
-
-def run_entry_point(main: Callable[[], Any], expected: tuple[type[Exception], ...]) -> None:
-    """Run a ``@hydra.main`` function; Hydra's errors about the command line become one line.
-
-    ``HYDRA_FULL_ERROR=1`` is Hydra's documented switch to raise instead of printing its own
-    report, so this process can word it. A single run handles ``expected`` errors itself
-    (:func:`src.reporting.short_errors`); a sweep re-raises its first failed job's error after
-    running every job, and it ends here, as one line too.
-    """
-    register_resolvers()
-    with environment(HYDRA_FULL_ERROR="1"):
-        try:
-            main()
-        except (HydraException, OmegaConfBaseException) as error:
-            show_error(describe_config_error(error))
-            raise SystemExit(1) from None
-        except expected as error:
-            show_error(str(error))
-            raise SystemExit(1) from None
 
 
 def describe_config_error(error: Exception) -> str:
@@ -59,16 +30,13 @@ def describe_config_error(error: Exception) -> str:
             f"{error.override} is not a valid override ({reason}); the form is key=value, "
             "quoted for the shell where it holds brackets or spaces: 'key=[1,2]'"
         )
-    cause = error.__cause__
     typed = re.match(r"Could not override '([^']+)'", str(error))
-    parent = getattr(cause, "parent_node", None)
+    parent = getattr(error.__cause__, "parent_node", None)
     if typed and isinstance(parent, DictConfig):
-        key = typed.group(1)
-        section = key.rpartition(".")[0]
+        key, section = typed.group(1), typed.group(1).rpartition(".")[0]
         where = f"{section} has" if section else "top-level keys are"
-        return f"{key} is not a config key{suggest(key, parent.keys(), section)}; {where}: " + (
-            ", ".join(sorted(str(k) for k in parent))
-        )
+        keys = ", ".join(sorted(str(k) for k in parent))
+        return f"{key} is not a config key{suggest(key, parent.keys(), section)}; {where}: {keys}"
     return str(error).strip().splitlines()[0]
 
 
@@ -85,11 +53,9 @@ def check_keys(
     target: Callable,
     set_by: Mapping[str, str] | None = None,
 ) -> None:
-    """Refuse keys ``target`` does not take (added with ``+section.key=...``), or that are set
-    elsewhere (``set_by``: key -> what sets it), naming the valid ones. ``section`` is the config
-    path of ``values``, e.g. ``model``."""
-    parameters = dict(inspect.signature(target).parameters)
-    parameters.pop("self", None)
+    """Refuse keys of config ``section`` that ``target`` does not take, or that are set elsewhere
+    (``set_by``: key -> what sets it), naming the valid ones."""
+    parameters = inspect.signature(target).parameters
     set_by = set_by or {}
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return  # takes anything
@@ -108,8 +74,7 @@ def check_keys(
 
 
 def check_sections(cfg: DictConfig, targets: Mapping[str, tuple[Callable, Iterable[str]]]) -> None:
-    """:func:`check_keys` for each config section (``model.net``) and what it is passed to,
-    with the keys that are set from the data instead."""
+    """:func:`check_keys` for each section, its target and the keys set from the data."""
     for section, (target, set_by_data) in targets.items():
         values = OmegaConf.select(cfg, section) or {}
         check_keys(section, values, target, set_by=dict.fromkeys(set_by_data, "the data"))
@@ -117,12 +82,11 @@ def check_sections(cfg: DictConfig, targets: Mapping[str, tuple[Callable, Iterab
 
 @contextmanager
 def as_config_error(section: str) -> Iterator[None]:
-    """Errors a constructor raises for a value a user typed (``model.net.dropout=1.5``, a
-    precision Lightning does not know) become one line naming the config section."""
+    """A constructor's error for a typed value (``model.net.dropout=1.5``) becomes one line."""
     try:
         yield
     except (TypeError, ValueError, ConfigError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = (str(error).strip() or type(error).__name__).splitlines()[0]
         raise ConfigError(f"{section} settings refused: {reason}") from error
 
 
@@ -134,32 +98,30 @@ def check_choice(key: str, value: Any, choices: Iterable[Any]) -> None:
         )
 
 
+def is_count(value: Any, minimum: int) -> bool:
+    """Whether ``value`` is a whole number (not a bool) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def check_count(key: str, value: Any, minimum: int) -> None:
-    """An integer setting of at least ``minimum`` (batch sizes, epochs, workers)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_count(value, minimum):
         raise ConfigError(f"{key}={value} is not valid: it must be a whole number >= {minimum}")
 
 
 def typed_keys(section: str) -> set[str]:
-    """The keys of ``section`` the command line set (``data.root=...``, ``+data.x=...``), and
-    ``""`` where it chose the section's group option itself (``data=mnist``)."""
+    """The keys of ``section`` the command line set (``data.root=...``), ``""`` for the section's
+    group option itself (``data=mnist``)."""
     if not HydraConfig.initialized():
         return set()
-    keys = set()
-    for override in HydraConfig.get().overrides.task:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key == section:
-            keys.add("")
-        elif key.startswith(f"{section}."):
-            keys.add(key.removeprefix(f"{section}.").split(".")[0])
-    return keys
+    keys = [f"{o.split('=', 1)[0].lstrip('+~')}." for o in HydraConfig.get().overrides.task]
+    prefix = f"{section}."
+    return {key.removeprefix(prefix).split(".")[0] for key in keys if key.startswith(prefix)}
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """``{"model": {"lr": 0.1}}`` → ``{"model.lr": 0.1}``: the keys people type as overrides."""
-    if isinstance(tree, Mapping):
-        flat: dict[str, Any] = {}
-        for key, value in tree.items():
-            flat.update(flatten(value, f"{prefix}{key}."))
-        return flat
-    return {prefix.rstrip("."): tree}
+    if not isinstance(tree, Mapping):
+        return {prefix.rstrip("."): tree}
+    return {
+        k: v for key, value in tree.items() for k, v in flatten(value, f"{prefix}{key}.").items()
+    }

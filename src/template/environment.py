@@ -8,8 +8,7 @@ from contextlib import contextmanager
 
 @contextmanager
 def environment(**values: str) -> Iterator[None]:
-    """Set environment variables for the block (e.g. MLflow's request settings, read per
-    request), then restore them as they were."""
+    """Set environment variables for the block, then restore them as they were."""
     before = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -24,8 +23,7 @@ def environment(**values: str) -> Iterator[None]:
 
 @contextmanager
 def quiet(logger_name: str) -> Iterator[None]:
-    """Silence a logger's INFO lines for the block (e.g. Lightning's hardware summary of a trial
-    build, MLflow's upload notices)."""
+    """Silence a logger's INFO lines for the block."""
     logger = logging.getLogger(logger_name)
     level = logger.level
     logger.setLevel(logging.WARNING)

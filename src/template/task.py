@@ -1,9 +1,6 @@
-"""The one contract between a task (``src/task/``, yours) and the machinery (``src/template/``).
-
-``src/task/__init__.py`` exports a :class:`Task` as ``TASK`` and the entry points hand it to the
-machinery, as torchtitan's ``TrainSpec`` does. The machinery knows ranks, steps, checkpoints,
-runs and artifacts; what is learned, from what data, and how it is judged, comes through here.
-"""
+"""The one contract between a task (``src/task/``, yours; its ``TASK``) and the machinery
+(``src/template/``), as torchtitan's ``TrainSpec``: the machinery knows ranks, steps, checkpoints
+and runs; what is learned, from what data, and how it is judged, comes through here."""
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,14 +12,14 @@ from torch import Tensor, nn
 
 # section -> (what its values are passed to, the keys set from the data instead of config)
 ConfigTargets = dict[str, tuple[Callable, tuple[str, ...]]]
+Columns = tuple[dict[str, Sequence], dict[str, float]]  # a CSV's columns, metrics
 
 
 @dataclass(frozen=True)
 class ModelExport:
-    """What the served MLflow model is: ``module`` maps a batch of raw inputs (``example``, as
-    people send them) to its outputs, and is exported with ``torch.export`` (no pickled code);
-    ``code`` is the MLflow "models from code" file that loads it (``program.pt2`` and
-    ``metadata.json`` are its artifacts) and needs only torch, numpy, pandas and mlflow."""
+    """The served MLflow model: ``module`` (raw inputs such as ``example`` to outputs), exported
+    with ``torch.export``, loaded by ``code``, an MLflow "models from code" file that needs only
+    torch, numpy, pandas and mlflow (its artifacts: ``program.pt2``, ``metadata.json``)."""
 
     module: nn.Module
     example: Tensor
@@ -37,34 +34,23 @@ class ModelExport:
 class Task:
     """How to build and judge what a job learns. Every callable gets plain config values."""
 
-    # data.name -> LightningDataModule class, built as ``cls(**cfg.data)``; each follows the
-    # data contract of :mod:`src.template.data`.
+    # data.name -> class, built as ``cls(**cfg.data)`` (the contract of src/template/data.py)
     datamodules: Mapping[str, type[L.LightningDataModule]]
-    # The LightningModule class (checkpoints are loaded with it) and how to build it from the
-    # ``model`` config section and the loaded data module.
+    # The class checkpoints are loaded with; how to build it from ``model`` and the loaded data
     model_class: type[L.LightningModule]
     build_model: Callable[[dict[str, Any], L.LightningDataModule], L.LightningModule]
     # What each ``model`` config section is passed to, so typed keys are checked by name.
     config_targets: Callable[[Mapping[str, Any]], ConfigTargets]
-    # The validation metric that picks the best checkpoint, and whether higher is better.
-    monitor: str
-    mode: str
-    # Errors that mean bad input: shown as one line, no traceback.
-    errors: tuple[type[Exception], ...] = ()
+    monitor: str  # the validation metric that picks the best checkpoint
+    mode: str  # "max" if higher is better, else "min"
+    errors: tuple[type[Exception], ...] = ()  # bad input: shown as one line, no traceback
     # The served model (None: jobs log no MLflow model).
     export: Callable[[L.LightningModule, L.LightningDataModule], ModelExport] | None = None
     # Figures of the test split, written by rank 0 after testing; their paths.
     figures: Callable[[L.LightningModule, L.LightningDataModule, Path], list[Path]] | None = None
-    # ``predict_step`` returns a dict of 1-D tensors with an ``index`` (stable sample index);
-    # this turns all ranks' merged columns, sorted by index, into the CSV's columns and the
-    # ``predict/*`` metrics.
-    predictions: (
-        Callable[
-            [Mapping[str, Tensor], L.LightningDataModule],
-            tuple[dict[str, Sequence], dict[str, float]],
-        ]
-        | None
-    ) = None
+    # All ranks' ``predict_step`` outputs (dicts of 1-D tensors with a stable sample ``index``),
+    # merged and sorted by it, to the CSV's columns and the ``predict/*`` metrics.
+    predictions: Callable[[Mapping[str, Tensor], L.LightningDataModule], Columns] | None = None
 
     def datamodule_class(self, name: str) -> type[L.LightningDataModule]:
         from src.template.data import DataError

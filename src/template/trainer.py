@@ -1,6 +1,7 @@
 """Assembles the Lightning ``Trainer`` (hardware, strategy, callbacks) from config."""
 
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -17,7 +18,7 @@ from src.template.config import as_config_error, check_count, check_keys
 from src.template.data import per_device_batch_size
 from src.template.distributed import (
     LogRankSetup,
-    build_strategy,
+    WatchedDDPStrategy,
     check_devices,
     requested_processes,
     srun_starts_ranks,
@@ -28,9 +29,7 @@ from src.template.shutdown import StopOnSignal
 
 # Trainer arguments that build_trainer sets from other config: key -> where to set it instead.
 SET_BY_TEMPLATE = {
-    "accelerator": "the top-level key accelerator",
-    "devices": "the top-level key devices",
-    "num_nodes": "the top-level key num_nodes",
+    **{key: f"the top-level key {key}" for key in ("accelerator", "devices", "num_nodes")},
     "strategy": "the strategy group (strategy=ddp)",
     "sync_batchnorm": "strategy.sync_batchnorm",
     "logger": "the logger group (logger=mlflow|csv|none)",
@@ -43,12 +42,8 @@ SET_BY_TEMPLATE = {
 
 
 def check_settings(cfg: DictConfig, fitting: bool) -> int:
-    """Refuse, before anything is written, hardware and loop settings that cannot work: device
-    and node counts, unknown ``trainer`` keys and, for training, a global batch the world size
-    does not divide (evaluation splits by samples, so any batch size works there).
-
-    Returns the world size the job asks for.
-    """
+    """Refuse, before anything is written, settings that cannot work; for training also a global
+    batch the world size does not divide (evaluation splits by samples). Returns the world size."""
     check_devices(cfg.accelerator, cfg.devices, cfg.num_nodes)
     check_keys("trainer", cfg.trainer, L.Trainer, set_by=SET_BY_TEMPLATE)
     if cfg.seed is not None:
@@ -56,58 +51,46 @@ def check_settings(cfg: DictConfig, fitting: bool) -> int:
     check_count("data.batch_size", cfg.data.batch_size, 1)
     world = requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)
     if fitting:
-        # The learning rate decays over the planned epochs: there must be a plan.
-        check_count("trainer.max_epochs", cfg.trainer.max_epochs, 1)
-        every = cfg.callbacks.checkpoint.get("every_n_train_steps")
-        if every is not None:
+        check_count("trainer.max_epochs", cfg.trainer.max_epochs, 1)  # the LR decays over them
+        if (every := cfg.callbacks.checkpoint.get("every_n_train_steps")) is not None:
             check_count("callbacks.checkpoint.every_n_train_steps", every, 1)
         check_count("callbacks.stop_check_every_n_steps", cfg.callbacks.stop_check_every_n_steps, 1)
         per_device_batch_size(cfg.data.batch_size, world)
     # A trial build: Lightning's own checks of the trainer values, before anything is written.
     with as_config_error("trainer"), quiet("lightning.pytorch.utilities.rank_zero"):
-        L.Trainer(
-            accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
-            strategy=build_strategy(cfg.strategy, world), logger=False, callbacks=[],
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            **OmegaConf.to_container(cfg.trainer, resolve=True),
-        )  # fmt: skip
+        build_trainer(cfg, [], [], fitting)
     return world
 
 
 def build_callbacks(cfg: DictConfig, monitor: tuple[str, str] | None) -> list[Callback]:
-    """Rank setup log, stop on signal, progress bar and the config's own (``callbacks.extra``:
-    any Lightning callback by ``_target_``) always; checkpointing and the model summary when
-    training, the best checkpoint by ``monitor`` (the task's metric and mode)."""
+    """Rank setup log, stop on signal, progress bar and ``callbacks.extra`` (any callback by
+    ``_target_``); when training (``monitor``: metric and mode) checkpoints and model summary."""
     callbacks: list[Callback] = [
         LogRankSetup(monitor[0] if monitor else ""),
         StopOnSignal(cfg.callbacks.stop_check_every_n_steps),
     ]
-    bar = cfg.callbacks.progress_bar
-    if bar == "rich":
-        callbacks.append(RichProgressBar())
-    elif bar == "tqdm":
-        callbacks.append(TQDMProgressBar())
+    bar = {"rich": RichProgressBar, "tqdm": TQDMProgressBar}.get(cfg.callbacks.progress_bar)
+    callbacks += [bar()] if bar else []
     with as_config_error("callbacks.extra"):
         callbacks += [instantiate(spec) for spec in cfg.callbacks.get("extra", {}).values()]
     if monitor is None:
         return callbacks
     metric, mode = monitor
-    ckpt = cfg.callbacks.checkpoint
     ckpt_dir = Path(cfg.paths.output_dir) / "checkpoints"
-    short_name = metric.rsplit("/", 1)[-1]  # val/acc -> epoch002-acc0.9176.ckpt
+    silence_resume_warning()
     # Both save at train-epoch end (after validation); last.ckpt also mid-epoch (see resume.py).
+    # The metric is named by hand: its "/" would make folders (val/acc -> acc0.9176).
     best = BestCheckpoint(
         dirpath=ckpt_dir,
-        # Metric names contain "/", which would become folders if inserted automatically.
-        filename=f"epoch{{epoch:03d}}-{short_name}{{{metric}:.4f}}",
+        filename=f"epoch{{epoch:03d}}-{metric.rsplit('/', 1)[-1]}{{{metric}:.4f}}",
         auto_insert_metric_name=False,
         monitor=metric,
         mode=mode,
-        save_top_k=ckpt.save_top_k,
+        save_top_k=cfg.callbacks.checkpoint.save_top_k,
         save_on_train_epoch_end=True,
     )
-    last = LastCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt.every_n_train_steps)
-    silence_resume_warning()
+    every = cfg.callbacks.checkpoint.every_n_train_steps
+    last = LastCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every)
     summary = ModelSummaryFile(
         ckpt_dir.parent / "model_summary.txt", cfg.callbacks.model_summary_depth
     )
@@ -127,33 +110,36 @@ class ModelSummaryFile(Callback):
         self.path.write_text(f"{ModelSummary(pl_module, max_depth=self.max_depth)}\n")
 
 
-def plugins(processes: int) -> list:
-    """Atomic checkpoint writes (a crash never leaves a half-written file); when srun starts the
-    ranks, no auto-requeue by Lightning: a stop signal writes a checkpoint at the step and
-    ``slurm/train.sbatch`` requeues the job (Lightning would save in the signal handler,
-    mid-step, and end the MLflow run)."""
-    srun = [SLURMEnvironment(auto_requeue=False)] if srun_starts_ranks(processes) else []
-    return [AtomicCheckpointIO(), *srun]
-
-
 def build_trainer(
     cfg: DictConfig, loggers: list[Logger], callbacks: Sequence[Callback], fitting: bool,
     sync_batchnorm: bool = False,
 ) -> L.Trainer:  # fmt: skip
     """A Trainer for ``cfg`` (checked by :func:`check_settings`): hardware from the top-level
-    keys, loop settings from ``trainer``."""
+    keys, loop settings from ``trainer``. Checkpoints are written atomically; where srun starts
+    the ranks, Lightning does not requeue on SIGUSR1 (it would save mid-step and end the run):
+    :class:`StopOnSignal` checkpoints and ``slurm/train.sbatch`` requeues."""
     processes = requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)
+    srun = [SLURMEnvironment(auto_requeue=False)] if srun_starts_ranks(processes) else []
+    strategy, ddp = cfg.strategy.name, cfg.strategy  # ddp, or auto for several: watched DDP
+    if strategy == "ddp" or (strategy == "auto" and processes > 1):
+        strategy = WatchedDDPStrategy(
+            watch_s=ddp.watch_s,
+            exit_grace_s=ddp.exit_grace_s,
+            process_group_backend=ddp.process_group_backend,  # by default nccl on GPU, else gloo
+            find_unused_parameters=ddp.find_unused_parameters,
+            timeout=timedelta(seconds=ddp.timeout_s),
+        )
     return L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
-        strategy=build_strategy(cfg.strategy, processes),
+        strategy=strategy,
         sync_batchnorm=sync_batchnorm,
         logger=loggers or False,
         callbacks=list(callbacks),
         enable_progress_bar=cfg.callbacks.progress_bar != "none",
         enable_model_summary=False,  # ModelSummaryFile
         default_root_dir=cfg.paths.output_dir,
-        plugins=plugins(processes),
+        plugins=[AtomicCheckpointIO(), *srun],
         **OmegaConf.to_container(cfg.trainer, resolve=True),
     )
