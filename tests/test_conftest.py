@@ -23,7 +23,8 @@ def test_a_hung_job_fails_with_every_processs_stack_and_leaves_nothing() -> None
         run_job([sys.executable, "-c", HANGS], cwd=PROJECT, env=dict(os.environ), timeout=3)
     message = str(failed.value)
     assert "still running after 3 s" in message
-    assert "in stuck_in_a_collective" in message, "the hung process's stack"
+    # Both processes dump at once into one pipe: only whole writes (a name, a header) are kept.
+    assert "stuck_in_a_collective" in message, "the hung process's stack"
     assert message.count("Current thread") >= 2, "the child's stack too"
     time.sleep(0.5)
     leftovers = [
