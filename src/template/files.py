@@ -10,8 +10,7 @@ from typing import Any, BinaryIO
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    """``write`` to a temporary file beside ``path``, fsync, rename it over ``path``: a reader
-    (another rank) or a crash sees the old file or the new one, never part of one."""
+    """``write`` to a temporary file beside ``path``, fsync, rename it over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
