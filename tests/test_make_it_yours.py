@@ -60,6 +60,8 @@ def test_rgb_images_with_each_network(net: str, images: Path, tmp_path: Path) ->
     assert evals[3]["test/samples"] == evals[1]["test/samples"] == TEST_SAMPLES
     assert evals[3]["test/acc"] == evals[1]["test/acc"]
     assert evals[3]["test/loss"] == pytest.approx(evals[1]["test/loss"], abs=1e-6)
+    if net != "convnet":
+        return  # what follows does not depend on the network: once is enough
     # The checkpoint alone says what the data is and where it was.
     only_ckpt = tmp_path / "eval-ckpt-only"
     run_entry(
