@@ -384,6 +384,40 @@ def decode_folder(images: torch.Tensor, labels: torch.Tensor, count: int, workdi
     return elapsed
 
 
+MEMORY_PROBE = """
+import json, resource, sys
+import PIL.Image
+import psutil
+from src.task.data.image_folder import ImageFolderDataModule
+data = ImageFolderDataModule(name="image_folder", root=sys.argv[1], image_size=[28, 28],
+                             channels=1, batch_size=8, val_size=int(sys.argv[2]))
+PIL.Image.init()  # its format plugins: imported once by any image job, not the data's size
+before = psutil.Process().memory_info().rss
+data.prepare_data()
+data.load()
+describe = data.describe_splits()  # the digests tracking logs
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+splits = (data.train_set, data.val_set, data.test_set)
+pixels = sum(len(s.inputs) * s.inputs[0].numel() for s in splits)
+print(json.dumps((peak - before) / pixels))
+"""
+
+
+def folder_memory(workdir: Path, count: int) -> float:
+    """Peak resident memory that ``data=image_folder`` adds to load the PNG folder of row 7 (its
+    test split: the first images again), as a multiple of the decoded uint8 pixels, measured in
+    a fresh process."""
+    root = workdir / f"png{count}"
+    if not (root / "test").is_dir():
+        for folder in (root / "train").iterdir():
+            (root / "test" / folder.name).mkdir(parents=True)
+            for image in sorted(folder.iterdir())[:5]:
+                (root / "test" / folder.name / image.name).write_bytes(image.read_bytes())
+    probe = [sys.executable, "-c", MEMORY_PROBE, str(root), str(count // 10)]
+    done = subprocess.run(probe, cwd=ROOT, capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def machine() -> dict[str, object]:
     cpu = next(
         (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -492,6 +526,9 @@ def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict
     count = len(labels) if real else 600
     seconds = repeat(repeats, lambda: decode_folder(images, labels, count, workdir))
     rows[f"7. image folder: decode {count:,} PNG images (s)"] = seconds
+    rows["7. image folder: peak memory of its load / uint8 pixels (target <= 2)"] = repeat(
+        repeats, lambda: folder_memory(workdir, count)
+    )
     rows["7. image folder: decoded images/s"] = {
         "median": count / seconds["median"], "min": count / seconds["max"],
         "max": count / seconds["min"],

@@ -7,6 +7,7 @@ import copy
 import hashlib
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
@@ -46,8 +47,8 @@ class TensorSplit(Dataset):
 
     def digest(self) -> str:
         """MD5 of inputs and targets: tells whether two runs saw the same data."""
-        md5 = hashlib.md5(self.inputs.cpu().numpy().tobytes())
-        md5.update(self.targets.cpu().numpy().tobytes())
+        md5 = hashlib.md5(np.ascontiguousarray(self.inputs.cpu().numpy()))  # hashed in place
+        md5.update(np.ascontiguousarray(self.targets.cpu().numpy()))
         return md5.hexdigest()
 
     def to(self, device: torch.device) -> "TensorSplit":

@@ -60,16 +60,42 @@ def read_folder(
     split_dir: Path, classes: Sequence[str], channels: int, size: tuple[int, int]
 ) -> tuple[Tensor, Tensor]:
     """Every image of one split as ``uint8 [N, C, H, W]`` and its ``int64`` labels, in (class,
-    file name) order: a sample's index is stable as long as the folder does not change."""
+    file name) order: a sample's index is stable as long as the folder does not change. Each
+    image is decoded straight into its place: memory is the split's pixels, once."""
     files, labels = [], []
     for label, name in enumerate(classes):
         found = image_files(split_dir / name)
         files += found
         labels += [label] * len(found)
+    images = torch.empty((len(files), channels, *size), dtype=torch.uint8)
+
+    def decode_range(start: int) -> None:  # a range per task: no future per image
+        for i in range(start, min(start + 256, len(files))):
+            image = decode(files[i], MODES[channels], size)
+            images[i] = torch.from_numpy(image.copy()).permute(2, 0, 1)
+
     with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:  # Pillow decodes without the GIL
-        arrays = list(pool.map(lambda path: decode(path, MODES[channels], size), files))
-    images = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+        list(pool.map(decode_range, range(0, len(files), 256)))
     return images, torch.tensor(labels, dtype=torch.long)
+
+
+def channel_statistics(images: Tensor, chunk_bytes: int = 1 << 23) -> tuple[list, list]:
+    """Per-channel mean and standard deviation of ``[0, 1]`` pixels, from exact counts of each
+    pixel value, a chunk of images at a time: no float copy of the split."""
+    channels, pixels = images.shape[1], images[0, 0].numel()
+    counts = torch.zeros(channels, 256, dtype=torch.long)
+    step = max(1, chunk_bytes // images[0].numel())
+    for start in range(0, len(images), step):
+        for channel in range(channels):
+            values = images[start : start + step, channel].reshape(-1)
+            counts[channel] += torch.bincount(values, minlength=256)
+    n, levels = len(images) * pixels, torch.arange(256, dtype=torch.long)
+    total, squares = (counts * levels).sum(dim=1).tolist(), (counts * levels**2).sum(dim=1).tolist()
+    mean = [s / n / 255 for s in total]
+    variance = [
+        (n * q - s * s) / (n * max(n - 1, 1)) / 255**2 for s, q in zip(total, squares, strict=True)
+    ]
+    return mean, [v**0.5 for v in variance]
 
 
 class ImageFolderDataModule(ImageDataModule):
@@ -125,7 +151,6 @@ class ImageFolderDataModule(ImageDataModule):
         images, labels = read_folder(self.root / split, self.classes, channels, tuple(size))
         if split == "train" and self.mean is None:
             # Per-channel statistics of the training pixels (set data.mean/std to fix them).
-            pixels = images.transpose(0, 1).reshape(channels, -1).double() / 255
-            self.mean = tuple(pixels.mean(dim=1).tolist())
-            self.std = tuple(max(value, 1e-6) for value in pixels.std(dim=1).tolist())
+            mean, std = channel_statistics(images)
+            self.mean, self.std = tuple(mean), tuple(max(value, 1e-6) for value in std)
         return images, labels
