@@ -11,36 +11,41 @@ Rerunning an interrupted conversion continues it (LitData's checkpoints); a fini
 kept. A folder that holds shards of other data is refused.
 """
 
+import hashlib
 import io
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
+from torch import Tensor
 
 from src.task import TASK
+from src.task.data.images import channel_statistics, pixel_counts, read_images
 from src.task.data.shards import litdata
 from src.template import entry
 from src.template.config import check_choice, check_keys
-from src.template.data import DataError, TensorSplit
+from src.template.data import DataError
 from src.template.task import Task
 
 MANIFEST = "manifest.json"
 SPLITS = ("train", "test")
+SCAN_CHUNK = 4096  # images decoded at once to check, digest and count a split
 
 
 class Encoder:
     """Sample ``i`` of one split as ``{"index", "label", "image"}`` (runs in LitData's workers,
-    forked: the decoded split is shared, not copied)."""
+    forked: what ``image_at`` reads from is shared, not copied)."""
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, fmt: str, quality: int) -> None:
-        self.images, self.labels, self.fmt, self.quality = images, labels, fmt, quality
+    def __init__(self, image_at: Callable, labels: np.ndarray, fmt: str, quality: int) -> None:
+        self.image_at, self.labels, self.fmt, self.quality = image_at, labels, fmt, quality
 
     def __call__(self, i: int) -> dict[str, Any]:
-        pixels = self.images[i]
+        pixels = self.image_at(i)
         image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
         buffer = io.BytesIO()
         if self.fmt == "png":
@@ -48,6 +53,24 @@ class Encoder:
         else:
             image.save(buffer, format="JPEG", quality=self.quality)
         return {"index": int(i), "label": int(self.labels[i]), "image": buffer.getvalue()}
+
+
+def scan(
+    datamodule: Any, split: str, labels: Tensor, image_at: Callable, chunk: int = SCAN_CHUNK
+) -> tuple[str, Tensor]:
+    """One pass over a split, a chunk of images at a time: each chunk checked as training checks
+    the split, the split's content digest (the one the in-memory dataset logs) and its pixel
+    counts (for mean/std)."""
+    md5, counts = hashlib.md5(), None
+    for start in range(0, len(labels), chunk):
+        indices = range(start, min(start + chunk, len(labels)))
+        images = read_images(image_at, indices)
+        datamodule.check(split, images, labels[start : indices.stop])
+        md5.update(images.numpy())
+        chunk_counts = pixel_counts(images)
+        counts = chunk_counts if counts is None else counts + chunk_counts
+    md5.update(labels.numpy())
+    return md5.hexdigest(), counts
 
 
 def identity(datamodule: Any, digests: dict[str, str]) -> dict[str, Any]:
@@ -72,15 +95,13 @@ def check_folder(out: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def write_split(split: TensorSplit, folder: Path, cfg: DictConfig, num_workers: int) -> None:
+def write_split(
+    image_at: Callable, labels: Tensor, folder: Path, cfg: DictConfig, num_workers: int
+) -> None:
     """One split as LitData shards in ``folder`` (continues an interrupted conversion)."""
     optimize = litdata().optimize
-
-    images = split.inputs.permute(0, 2, 3, 1).contiguous().numpy()  # [N, H, W, C]
-    labels = split.targets.numpy()
-    encoder = Encoder(images, labels, cfg.format, cfg.jpeg_quality)
     optimize(
-        fn=encoder,
+        fn=Encoder(image_at, labels.numpy(), cfg.format, cfg.jpeg_quality),
         inputs=list(range(len(labels))),
         output_dir=str(folder),
         chunk_bytes=cfg.chunk_bytes,
@@ -114,11 +135,13 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
     check_keys("data", cfg.data, data_class)
     datamodule = data_class(**OmegaConf.to_container(cfg.data, resolve=True))
     datamodule.prepare_data()
-    splits = {}
-    for name in SPLITS:
-        inputs, targets = datamodule._checked(name)  # read and validated as training reads them
-        splits[name] = TensorSplit(inputs, targets)
-    digests = {name: split.digest() for name, split in splits.items()}
+    # Read a chunk at a time, as training reads the data (and checks it): a folder of millions
+    # of images converts in flat memory; each image is decoded twice (scan, then write).
+    sources = {name: datamodule.sample_source(name) for name in SPLITS}
+    scanned = {name: scan(datamodule, name, *source) for name, source in sources.items()}
+    digests = {name: digest for name, (digest, _) in scanned.items()}
+    if datamodule.mean is None:  # statistics of the training pixels, as read("train") sets them
+        datamodule.mean, datamodule.std = channel_statistics(scanned["train"][1])
     expected = identity(datamodule, digests)
     manifest = check_folder(out, expected) or {
         "format": cfg.format,
@@ -127,14 +150,14 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
         "image_shape": list(datamodule.image_shape),
         "mean": list(datamodule.mean),
         "std": list(datamodule.std),
-        "counts": {name: len(split) for name, split in splits.items()},
+        "counts": {name: len(labels) for name, (labels, _) in sources.items()},
         "val_size": datamodule.hparams.val_size,  # data=shards' default: the source's carve-out
         "complete": [],
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     workers = cfg.num_workers or os.cpu_count() or 1
-    for name, split in splits.items():
+    for name, (labels, image_at) in sources.items():
         if name in manifest["complete"]:
             print(f"{out / name}: already converted")
             continue
@@ -142,8 +165,8 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
         # checkpoints are per worker).
         started = manifest.setdefault("workers", {}).setdefault(name, workers)
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        write_split(split, out / name, cfg, started)
-        np.save(out / f"{name}_labels.npy", split.targets.numpy())  # for figures, no decoding
+        write_split(image_at, labels, out / name, cfg, started)
+        np.save(out / f"{name}_labels.npy", labels.numpy())  # for figures, no decoding
         manifest.setdefault("chunks", {})[name] = check_order(out / name)  # data.partitions
         manifest["complete"].append(name)
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2))

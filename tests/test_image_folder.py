@@ -8,7 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from src.task.data.image_folder import ImageFolderDataModule, channel_statistics
+from src.task.data.image_folder import ImageFolderDataModule
+from src.task.data.images import channel_statistics, pixel_counts
 from src.template.data import DataError
 from tests.image_data import CLASSES, make_image_folder
 
@@ -42,7 +43,7 @@ def test_channel_statistics_are_those_of_every_pixel_at_once() -> None:
     """Counted a chunk at a time (no float copy of the split), yet the statistics of the whole
     split in float64, to the float32 the normalisation uses."""
     images = torch.randint(0, 256, (500, 3, 7, 9), dtype=torch.uint8)
-    mean, std = channel_statistics(images, chunk_bytes=1000)  # 6 images a chunk
+    mean, std = channel_statistics(pixel_counts(images, chunk_bytes=1000))  # 6 images a chunk
     pixels = images.transpose(0, 1).reshape(3, -1).double() / 255
     assert torch.tensor(mean).float().tolist() == pixels.mean(dim=1).float().tolist()
     assert torch.tensor(std).float().tolist() == pixels.std(dim=1).float().tolist()

@@ -34,6 +34,7 @@ from tests.conftest import (
     tiny_overrides,
 )
 from tests.idx_data import make_dataset
+from tests.image_data import make_image_folder
 from tests.test_distributed import final_weights
 from tests.test_train import assert_same_tensors
 
@@ -89,6 +90,33 @@ def test_prepare_writes_what_the_source_holds_and_refuses_other_data(
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert "holds shards of other data" in refused.stderr + refused.stdout
     assert (shards / "manifest.json").read_text() == before
+
+
+def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
+    tmp_path: Path,
+) -> None:
+    """The files are read a chunk at a time (never the split at once), yet the digest and
+    statistics are those of the whole split, and the shards decode to its pixels."""
+    from src.prepare import scan
+    from src.task.data.image_folder import ImageFolderDataModule
+    from src.task.data.images import channel_statistics
+
+    images, out = make_image_folder(tmp_path / "images", 9, 3, size=(40, 36)), tmp_path / "out"
+    run_entry("prepare", "data=image_folder", f"data.root={images}", "data.image_size=[32,32]",
+              "data.val_size=5", f"out={out}", "hydra.run.dir=prepare", cwd=tmp_path)  # fmt: skip
+    source = ImageFolderDataModule("image_folder", str(images), [32, 32], 3, 8, val_size=5)
+    labels, image_at = source.sample_source("train")
+    digest, counts = scan(source, "train", labels, image_at, chunk=7)  # 45 images: 7 chunks
+    whole = TensorSplit(*source.read("train"))  # sets mean/std from the whole split
+    assert digest == whole.digest() and channel_statistics(counts) == (source.mean, source.std)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["identity"]["digests"]["train"] == digest
+    assert (tuple(manifest["mean"]), tuple(manifest["std"])) == (source.mean, source.std)
+    shards = ShardDataModule("shards", str(out), batch_size=8, val_size=5)
+    for split in ("train", "test"):
+        assert (
+            TensorSplit(*shards.read(split)).digest() == TensorSplit(*source.read(split)).digest()
+        )
 
 
 def test_an_interrupted_conversion_continues_where_it_stopped(tmp_path: Path) -> None:

@@ -2,9 +2,7 @@
 ``<root>/test/<class>/*.jpg``, decoded once into the same in-memory ``uint8`` tensor the IDX
 datasets use, so batches are sliced as fast."""
 
-import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +11,7 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
 from src.task.data.augment import check_augment
-from src.task.data.images import ImageDataModule
+from src.task.data.images import ImageDataModule, channel_statistics, pixel_counts, read_images
 from src.template.data import DataError
 
 EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
@@ -56,46 +54,34 @@ def decode(path: Path, mode: str, size: tuple[int, int]) -> np.ndarray:
         raise DataError(f"{path}: not a readable image ({error}); remove or replace it") from error
 
 
-def read_folder(
-    split_dir: Path, classes: Sequence[str], channels: int, size: tuple[int, int]
-) -> tuple[Tensor, Tensor]:
-    """Every image of one split as ``uint8 [N, C, H, W]`` and its ``int64`` labels, in (class,
-    file name) order: a sample's index is stable as long as the folder does not change. Each
-    image is decoded straight into its place: memory is the split's pixels, once."""
+def listing(split_dir: Path, classes: Sequence[str]) -> tuple[list[str], Tensor]:
+    """The split's image files in (class, file name) order and their labels: a sample's index
+    is stable as long as the folder does not change."""
     files, labels = [], []
     for label, name in enumerate(classes):
         found = image_files(split_dir / name)
-        files += found
+        files += [str(path) for path in found]
         labels += [label] * len(found)
-    images = torch.empty((len(files), channels, *size), dtype=torch.uint8)
-
-    def decode_range(start: int) -> None:  # a range per task: no future per image
-        for i in range(start, min(start + 256, len(files))):
-            image = decode(files[i], MODES[channels], size)
-            images[i] = torch.from_numpy(image.copy()).permute(2, 0, 1)
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:  # Pillow decodes without the GIL
-        list(pool.map(decode_range, range(0, len(files), 256)))
-    return images, torch.tensor(labels, dtype=torch.long)
+    return files, torch.tensor(labels, dtype=torch.long)
 
 
-def channel_statistics(images: Tensor, chunk_bytes: int = 1 << 23) -> tuple[list, list]:
-    """Per-channel mean and standard deviation of ``[0, 1]`` pixels, from exact counts of each
-    pixel value, a chunk of images at a time: no float copy of the split."""
-    channels, pixels = images.shape[1], images[0, 0].numel()
-    counts = torch.zeros(channels, 256, dtype=torch.long)
-    step = max(1, chunk_bytes // images[0].numel())
-    for start in range(0, len(images), step):
-        for channel in range(channels):
-            values = images[start : start + step, channel].reshape(-1)
-            counts[channel] += torch.bincount(values, minlength=256)
-    n, levels = len(images) * pixels, torch.arange(256, dtype=torch.long)
-    total, squares = (counts * levels).sum(dim=1).tolist(), (counts * levels**2).sum(dim=1).tolist()
-    mean = [s / n / 255 for s in total]
-    variance = [
-        (n * q - s * s) / (n * max(n - 1, 1)) / 255**2 for s, q in zip(total, squares, strict=True)
-    ]
-    return mean, [v**0.5 for v in variance]
+class FileImages:
+    """Image ``i`` of a listing as ``uint8 [H, W, C]``, decoded on demand (picklable)."""
+
+    def __init__(self, files: list[str], channels: int, size: tuple[int, int]) -> None:
+        self.files, self.mode, self.size = files, MODES[channels], size
+
+    def __call__(self, i: int) -> np.ndarray:
+        return decode(Path(self.files[i]), self.mode, self.size)
+
+
+def read_folder(
+    split_dir: Path, classes: Sequence[str], channels: int, size: tuple[int, int]
+) -> tuple[Tensor, Tensor]:
+    """Every image of one split as ``uint8 [N, C, H, W]`` and its ``int64`` labels. Each image
+    is decoded straight into its place: memory is the split's pixels, once."""
+    files, labels = listing(split_dir, classes)
+    return read_images(FileImages(files, channels, size), range(len(files))), labels
 
 
 class ImageFolderDataModule(ImageDataModule):
@@ -151,6 +137,11 @@ class ImageFolderDataModule(ImageDataModule):
         images, labels = read_folder(self.root / split, self.classes, channels, tuple(size))
         if split == "train" and self.mean is None:
             # Per-channel statistics of the training pixels (set data.mean/std to fix them).
-            mean, std = channel_statistics(images)
-            self.mean, self.std = tuple(mean), tuple(max(value, 1e-6) for value in std)
+            self.mean, self.std = channel_statistics(pixel_counts(images))
         return images, labels
+
+    def sample_source(self, split: str) -> tuple[Tensor, FileImages]:
+        """The split's labels and its images one at a time, from the files: src.prepare
+        converts a folder of millions of images in flat memory."""
+        files, labels = listing(self.root / split, self.classes)
+        return labels, FileImages(files, *self.image_shape[:1], tuple(self.image_shape[1:]))

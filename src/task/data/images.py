@@ -2,9 +2,12 @@
 contract (:mod:`src.template.data`): the image shape networks are built for, class names, and
 the per-channel normalisation that turns stored ``uint8`` pixels into model inputs."""
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
@@ -24,6 +27,45 @@ class Normalize(nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         return images.float().div(255).sub_(self.mean).div_(self.std)
+
+
+def read_images(image_at: Callable[[int], np.ndarray], indices: Sequence[int]) -> Tensor:
+    """Images ``indices`` (each ``uint8 [H, W, C]``) as ``uint8 [N, C, H, W]``, each decoded
+    straight into its place, a range of them per thread (Pillow decodes without the GIL)."""
+    first = torch.from_numpy(image_at(indices[0]).copy()).permute(2, 0, 1)
+    images = torch.empty((len(indices), *first.shape), dtype=torch.uint8)
+    images[0] = first
+
+    def decode_range(start: int) -> None:  # not a future per image: millions would not fit
+        for i in range(max(start, 1), min(start + 256, len(indices))):
+            images[i] = torch.from_numpy(image_at(indices[i]).copy()).permute(2, 0, 1)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        list(pool.map(decode_range, range(0, len(indices), 256)))
+    return images
+
+
+def pixel_counts(images: Tensor, chunk_bytes: int = 1 << 23) -> Tensor:
+    """How often each value 0-255 occurs in each channel of ``uint8 [N, C, H, W]`` images, a
+    chunk at a time: exact, and no float copy of the split."""
+    counts = torch.zeros(images.shape[1], 256, dtype=torch.long)
+    step = max(1, chunk_bytes // max(1, images[0].numel()))
+    for start in range(0, len(images), step):
+        for channel in range(images.shape[1]):
+            values = images[start : start + step, channel].reshape(-1)
+            counts[channel] += torch.bincount(values, minlength=256)
+    return counts
+
+
+def channel_statistics(counts: Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and (sample) standard deviation of ``[0, 1]`` pixels from
+    :func:`pixel_counts`, exact up to the final division; std at least 1e-6."""
+    levels = torch.arange(256, dtype=torch.long)
+    n = int(counts[0].sum())
+    total, squares = (counts * levels).sum(dim=1).tolist(), (counts * levels**2).sum(dim=1).tolist()
+    mean = tuple(s / n / 255 for s in total)
+    variance = [(n * q - s * s) / (n * max(n - 1, 1)) for s, q in zip(total, squares, strict=True)]
+    return mean, tuple(max(v**0.5 / 255, 1e-6) for v in variance)
 
 
 class ImageDataModule(TensorDataModule):
@@ -53,6 +95,13 @@ class ImageDataModule(TensorDataModule):
                 f"{self.source}: {split} label {int(targets.max())} outside "
                 f"[0, {self.num_classes}); wrong dataset in this folder?"
             )
+
+    def sample_source(self, split: str) -> tuple[Tensor, Callable[[int], np.ndarray]]:
+        """The split's labels and image ``i`` as ``uint8 [H, W, C]``, for src.prepare. Here the
+        split is read whole; a dataset of files reads one at a time (image_folder)."""
+        inputs, targets = self._checked(split)
+        images = inputs.permute(0, 2, 3, 1).numpy()  # a view
+        return targets, images.__getitem__
 
     def transform(self) -> nn.Module:
         return Normalize(self.mean, self.std)
