@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from src.task.data.augment import AugmentedSplit, EpochTaggedSampler, check_augment
 from src.task.data.mnist import DATASETS, MNISTDataModule, load_split
 from src.task.data.partitions import PartitionedBatchSampler, partition_rows
-from src.task.data.shards import ShardDataModule
+from src.task.data.shards import ShardDataModule, eval_rows
 from src.template.data import DataError, TensorSplit, keep_batch
 from tests.conftest import (
     N_TEST,
@@ -333,6 +333,16 @@ def test_partitions_give_each_rank_its_own_shards_and_every_world_the_same_batch
     for world in (2, 4):  # disjoint shards per rank, together all of them
         assert set().union(*touched[world]) == touched[1][0] == all_chunks
         assert sum(len(t) for t in touched[world]) == len(all_chunks)
+    # Evaluation: every sample once, and each rank reads its own run of shards (those of a
+    # validation carved at random: at most one shared at each boundary).
+    dm.load("test")
+    for data, name in ((dm.val_set, "train"), (dm.test_set, "test")):
+        sizes = {"chunks": {"train": manifest["chunks"][name]}}
+        for world in (2, 4):
+            rows = [eval_rows(data.indices, world, rank) for rank in range(world)]
+            assert sorted(sum(rows, [])) == list(range(len(data)))
+            reads = [chunk_of(sizes, data.indices[mine].tolist()) for mine in rows]
+            assert sum(map(len, reads)) <= len(sizes["chunks"]["train"]) + world - 1, reads
     # Resumed after 3 batches: the rest of the epoch, and another epoch is another order.
     full = PartitionedBatchSampler(split, 2, 1, 32, seed=5, parts=parts)
     full.set_epoch(1)

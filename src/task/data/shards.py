@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from src.task.data.augment import AugmentedSplit, check_augment
 from src.task.data.images import ImageDataModule
@@ -55,6 +56,26 @@ def allow_plain_http() -> None:
         from litdata.streaming import downloader
 
         downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True  # type: ignore[index]
+
+
+def eval_rows(positions: Tensor, world_size: int, rank: int) -> list[int]:
+    """The rows of a split that ``rank`` evaluates: a contiguous run of the split's positions
+    in the shards, so every sample is evaluated once (no padding: exact for any world size)
+    and each rank reads about ``1 / world_size`` of the shards."""
+    order = positions.argsort()
+    return order[rank * len(order) // world_size : (rank + 1) * len(order) // world_size].tolist()
+
+
+class ShardRunSampler(DistributedSampler):
+    """:func:`eval_rows` of this rank (a ``DistributedSampler``, so Lightning keeps it)."""
+
+    def __init__(self, dataset: "ShardSplit", num_replicas: int, rank: int) -> None:
+        super().__init__(dataset, num_replicas, rank, shuffle=False)
+        self.rows = eval_rows(dataset.indices, num_replicas, rank)
+        self.num_samples = len(self.rows)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.rows)
 
 
 class ShardSplit(Dataset):
@@ -269,6 +290,9 @@ class ShardDataModule(ImageDataModule):
         if settings is not None:
             data = AugmentedSplit(data, settings, seed, self.mean, self.std)
         return self._loader(data, sampler)
+
+    def _eval_loader(self, dataset: ShardSplit) -> DataLoader:
+        return self._loader(dataset, ShardRunSampler(dataset, *self._world()))
 
     def _load_test(self) -> None:
         if self.test_set is None:
