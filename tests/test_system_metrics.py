@@ -10,16 +10,27 @@ from mlflow import MlflowClient
 
 from src.sync import sync
 from src.template.outbox import NODE_OUTBOX, Outbox, OutboxClient, encode
-from src.template.system_metrics import Sampler, writer
+from src.template.system_metrics import Sampler
 from tests.conftest import PROJECT, run_entry, tiny_overrides
 from tests.test_outbox import sqlite_run
 
 
+class Recorder:
+    """A client that keeps each metrics batch as ({key: value}, step)."""
+
+    def __init__(self) -> None:
+        self.written: list[tuple[dict[str, float], int]] = []
+
+    def log_batch(self, run_id: str, metrics: list) -> None:
+        self.written.append(({m.key: m.value for m in metrics}, metrics[0].step))
+
+
 def test_the_sampler_writes_mlflows_readings_at_every_step() -> None:
     """MLflow's samplers, read here by name: if an upgrade renames them, this fails."""
-    written: list[tuple[dict[str, float], int]] = []
+    client = Recorder()
+    written = client.written
     unused = "http://127.0.0.1:9"  # MLflow's monitor is given a store it never writes to
-    sampler = Sampler(0.2, "system/", lambda m, step: written.append((m, step)), 5, unused)
+    sampler = Sampler(0.2, "system/", client, "run", 5, unused)
     sampler.start()
     deadline = time.monotonic() + 30
     while len(written) < 3:
@@ -34,9 +45,10 @@ def test_the_sampler_writes_mlflows_readings_at_every_step() -> None:
 
 
 def test_a_job_shorter_than_the_interval_gets_a_first_and_a_last_reading() -> None:
-    written: list[tuple[dict[str, float], int]] = []
+    client = Recorder()
+    written = client.written
     busy = "http://127.0.0.1:9"
-    sampler = Sampler(60, "system/", lambda m, step: written.append((m, step)), 0, busy)
+    sampler = Sampler(60, "system/", client, "run", 0, busy)
     sampler.start()
     deadline = time.monotonic() + 3
     while time.monotonic() < deadline:  # keep a core busy: the readings are not 0 %
@@ -54,7 +66,8 @@ def test_src_sync_sends_the_other_nodes_outboxes_too(tmp_path: Path) -> None:
     job.append(encode("set_terminated", run_id, status="FINISHED"))
     job.close()
     node = Outbox(tmp_path, uri, name=NODE_OUTBOX.format(1))
-    writer(OutboxClient(None, node), run_id)({"system/node1/cpu_utilization_percentage": 12.5}, 0)
+    sampler = Sampler(1, "system/node1/", OutboxClient(None, node), run_id, 0, uri)
+    sampler.write({"cpu_utilization_percentage": 12.5})
     node.close()
     assert sync(tmp_path) == f"sent 2 record(s) to {uri}: run {run_id} is FINISHED"
     (point,) = client.get_metric_history(run_id, "system/node1/cpu_utilization_percentage")

@@ -1,6 +1,5 @@
-"""Checkpoint files: written atomically, kept (best and last) across resumes into another
-folder, checked before a job relies on one (naming the layer or config keys that differ), and
-loaded for eval and predict: the model and its data from the checkpoint alone."""
+"""Checkpoint files: written atomically, best and last kept across a resume into another folder,
+checked before use (naming what differs), loaded with their data settings for eval and predict."""
 
 import inspect
 import warnings
@@ -40,8 +39,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 class EpochEndCheckpoint(ModelCheckpoint):
     """Saves at the end of whole epochs only (not of one cut short by ``max_steps``)."""
 
-    # Built once: Lightning reads it at every hook call of every step, and ModelCheckpoint
-    # builds it anew each time from settings that never change.
+    # Built once: Lightning reads it at every hook call; ModelCheckpoint rebuilds it each time.
     state_key = cached_property(ModelCheckpoint.state_key.fget)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -78,8 +76,7 @@ class BestCheckpoint(EpochEndCheckpoint):
 
 class LastCheckpoint(EpochEndCheckpoint):
     """``last.ckpt`` at every epoch end (``save_last`` writes only with a new best) and, mid-epoch,
-    every ``every_n_train_steps`` steps and at ``max_steps``. A step that ends an epoch is left to
-    the epoch end, so its validation is never skipped. No state: the file is rewritten."""
+    every ``every_n_train_steps`` steps and at ``max_steps`` (an epoch's last step: at its end)."""
 
     def __init__(self, dirpath: Path, every_n_train_steps: int | None = None) -> None:
         super().__init__(
@@ -89,7 +86,6 @@ class LastCheckpoint(EpochEndCheckpoint):
         self.every_n_steps = every_n_train_steps or 0
 
     def save_now(self, trainer: L.Trainer) -> None:
-        """Write ``last.ckpt`` now; every rank calls it at the same step."""
         trainer.save_checkpoint(Path(self.dirpath) / "last.ckpt", weights_only=False)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
@@ -110,8 +106,7 @@ def save_last(trainer: L.Trainer) -> None:
 
 
 def resume_path(ckpt_path: str | None, output_dir: Path) -> str | None:
-    """``ckpt_path=auto``: the output folder's ``last.ckpt`` if a job there wrote one, else None
-    (start fresh). With a fixed folder, the same command run again continues where it stopped."""
+    """``ckpt_path=auto``: the folder's ``last.ckpt`` if a job there wrote one, else None."""
     if ckpt_path != "auto":
         return ckpt_path
     last = output_dir / "checkpoints" / "last.ckpt"
@@ -140,8 +135,7 @@ def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:
 def check_fits(
     saved: Mapping[str, Any], model: L.LightningModule, datamodule: Any, path: str
 ) -> None:
-    """Refuse to resume from a checkpoint of another dataset, data settings (image size,
-    channels, validation split, ...), network or kind (weights only)."""
+    """Refuse to resume from a checkpoint of other data, another network or weights only."""
     name, keys = Path(path).name, ("name", *type(datamodule).CONTENT_KEYS)
     check_same_data(saved, datamodule.hparams, keys, name, "resume with the same data settings")
     datamodule.load_state_dict(saved.get(type(datamodule).__qualname__, {}))  # same classes
@@ -171,8 +165,7 @@ def check_same_data(
 def check_weights_fit(
     saved: Mapping[str, Any], expected: Mapping[str, torch.Tensor], name: str, hparams: Any
 ) -> None:
-    """Name the first tensor that is missing, unexpected or of another shape, and the config
-    keys of the model that explain it."""
+    """Name the first tensor that does not fit, and the model's config keys that explain it."""
     found = saved["state_dict"]
     shapes = [
         f"layer {key} is {tuple(found[key].shape)} in the checkpoint but "
@@ -210,9 +203,8 @@ def plain(value: Any) -> Any:
 
 
 def model_from_checkpoint(saved: Mapping[str, Any], name: str, task: Task) -> L.LightningModule:
-    """The trained model, rebuilt from the checkpoint's hyperparameters. Keys added since take
-    today's defaults (with a warning); keys this code does not know, or lacks without a default,
-    are refused by name (``load_from_checkpoint`` would name tensors, not config keys)."""
+    """The model rebuilt from the checkpoint's hyperparameters, new keys at today's defaults; keys
+    unknown or lacking are refused by name (``load_from_checkpoint`` would name tensors)."""
     hparams = dict(saved.get("hyper_parameters", {}))
     unknown, missing, defaulted, empty = [], [], [], inspect.Parameter.empty
     for section, (target, set_by_data) in task.config_targets(hparams).items():
@@ -251,9 +243,8 @@ def model_from_checkpoint(saved: Mapping[str, Any], name: str, task: Task) -> L.
 def load_for_inference(
     ckpt_path: str | None, data: Mapping[str, Any], typed: set[str], task: Task
 ) -> tuple[L.LightningModule, L.LightningDataModule, dict[str, str] | None]:
-    """The checkpoint's model, a data module and the MLflow run the checkpoint came from (if
-    tracked). The data settings are the checkpoint's, except the keys the command typed
-    (``typed``: ``data.root=...``); typing one that changes what the data is is refused."""
+    """The checkpoint's model, its data module and MLflow run (if tracked). The data settings are
+    the checkpoint's but for keys typed (``data.root=...``); typing what the data is fails."""
     saved = read_checkpoint(ckpt_path)
     name = Path(ckpt_path).name
     values = dict(data)

@@ -5,7 +5,7 @@ Hydra's reports of the command line made one line, and what YAML cannot know (th
 import difflib
 import inspect
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -90,8 +90,7 @@ def as_config_error(section: str) -> Iterator[None]:
         raise ConfigError(f"{section} settings refused: {reason}") from error
 
 
-def check_choice(key: str, value: Any, choices: Iterable[Any]) -> None:
-    choices = list(choices)
+def check_choice(key: str, value: Any, choices: Sequence[Any]) -> None:
     if value not in choices:
         raise ConfigError(
             f"{key}={value} is not valid; use {key}=" + f" or {key}=".join(map(str, choices))

@@ -1,7 +1,6 @@
-"""The data contract: a :class:`TensorDataModule` subclass implements ``read`` (may override
-``check`` and ``transform``), saves its config as hyperparameters (the keys
-docs/make-it-yours.md lists) and sets ``source``. The base class carves validation, fetches
-whole batches, and builds loaders whose results do not depend on the number of devices."""
+"""The data contract: a :class:`TensorDataModule` subclass implements ``read`` (``check`` and
+``transform`` optional), saves its config as hyperparameters (docs/make-it-yours.md) and sets
+``source``; the base class carves validation and builds loaders exact for any device count."""
 
 import copy
 import hashlib
@@ -152,8 +151,7 @@ class TensorDataModule(LightningDataModule):
         self.load(stage)
 
     def load(self, stage: str | None = None) -> None:
-        """Read and check (once) the splits ``stage`` needs; the entry points call it before any
-        run or process starts, so bad data fails first."""
+        """Read and check (once) the splits ``stage`` needs: the entry points call it first."""
         workers = self.hparams.num_workers
         if workers < 0:
             raise DataError(f"data.num_workers={workers} must be 0 or more")

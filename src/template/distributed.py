@@ -189,10 +189,8 @@ class LogRankSetup(Callback):
 
 @contextmanager
 def job_scope() -> Iterator[None]:
-    """Leave nothing distributed behind (a sweep runs its next job in this process): the process
-    group, the environment (Lightning's launcher sets MASTER_ADDR, WORLD_SIZE, ...), threads.
-    Ranks that torchrun or srun started share Hydra's ``<task>.log``: rank N>0 writes
-    ``<task>_rank<N>.log`` instead (as Lightning's own write ``<task>_ddp_process_<N>.log``)."""
+    """Leave no process group, environment (MASTER_ADDR, ...) or thread count to a sweep's next
+    job. Ranks N>0 that torchrun or srun started write ``<task>_rank<N>.log``, not Hydra's log."""
     threads, environment, root = torch.get_num_threads(), dict(os.environ), logging.getLogger()
     rank = external_rank()
     for handler in [h for h in root.handlers if rank and isinstance(h, logging.FileHandler)]:

@@ -21,7 +21,7 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 # Errors that mean bad input or a failed rank: shown as one line, no traceback.
 EXPECTED = (
     data.DataError, checkpoint.CheckpointError, store.TrackingError, ConfigError,
-    shutdown.RankFailed, sweeps.SweepJobFailed, sweeps.SweepFolderTaken,
+    shutdown.RankFailed, sweeps.SweepError,
 )  # fmt: skip
 
 

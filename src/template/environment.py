@@ -14,11 +14,9 @@ def environment(**values: str) -> Iterator[None]:
     try:
         yield
     finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        os.environ.update({key: value for key, value in before.items() if value is not None})
+        for key in [key for key, value in before.items() if value is None]:
+            os.environ.pop(key, None)
 
 
 @contextmanager

@@ -25,12 +25,8 @@ SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep folder>/<job number>" for a swee
 JOB_FILE = "sweep_job.json"  # in a sweep job's folder: its overrides, and its result once done
 
 
-class SweepJobFailed(RuntimeError):
-    """A sweep's DDP job, run as its own process tree, failed (it printed why)."""
-
-
-class SweepFolderTaken(RuntimeError):
-    """A sweep job's folder holds another sweep's output."""
+class SweepError(RuntimeError):
+    """A sweep job's folder holds another sweep's output, or its own DDP process tree failed."""
 
 
 def in_multirun() -> bool:
@@ -56,7 +52,7 @@ def earlier_run(output_dir: Path) -> dict[str, Any] | None:
         return None
     earlier = json.loads(path.read_text())
     if earlier["overrides"] != list(HydraConfig.get().overrides.task):
-        raise SweepFolderTaken(
+        raise SweepError(
             f"{output_dir} holds sweep job {job[1]} of another sweep "
             f"({' '.join(earlier['overrides'])}); run this one in a new folder (leave out "
             "hydra.sweep.dir) or run that sweep's command again"
@@ -115,7 +111,7 @@ def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:
     )
     code = subprocess.run(command, env=env).returncode
     if code != 0:
-        raise SweepJobFailed(f"sweep job {hydra.job.num} exited with code {code}; see {out}")
+        raise SweepError(f"sweep job {hydra.job.num} exited with code {code}; see {out}")
     return json.loads((out / "metrics.json").read_text()).get(optimized_metric)
 
 

@@ -5,7 +5,6 @@ k > 0: its own, sent by a thread of its own and by ``src.sync``), so an outage l
 import logging
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,19 +19,18 @@ from src.template.store import sqlite_file
 PREFIX = "system/"
 FIRST_READING_S = 1.0  # the first reading, this long after start-up
 
-Write = Callable[[dict[str, float], int], None]  # metrics at a step, to the run
-
 
 class Sampler(threading.Thread):
-    """MLflow's readings, written at the next step from ``first_step``: soon after start-up,
-    every ``every_s`` seconds, and when stopped. Never waits for a server."""
+    """MLflow's readings as metrics of run ``run_id`` through ``client`` (the logger's, or a node's
+    outbox's) at the next step from ``first_step``: soon after start-up, every ``every_s`` seconds,
+    and when stopped. Never waits for a server; a failed write is said once."""
 
     def __init__(
-        self, every_s: float, prefix: str, write: Write, first_step: int, uri: str
+        self, every_s: float, prefix: str, client: Any, run_id: str, first_step: int, uri: str
     ) -> None:
         super().__init__(daemon=True, name="system-metrics")
-        self.every_s, self.prefix, self.write = every_s, prefix, write
-        self.step, self.uri = first_step, uri
+        self.every_s, self.prefix, self.client, self.run_id = every_s, prefix, client, run_id
+        self.step, self.uri, self.failed = first_step, uri, False
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -48,28 +46,20 @@ class Sampler(threading.Thread):
                 monitor.clear_metrics()
             stopped = self.stopping.wait(wait)
             source.collect_metrics()
-            readings = source.aggregate_metrics()
-            self.write({self.prefix + key: value for key, value in readings.items()}, self.step)
+            self.write(source.aggregate_metrics())
             self.step, wait = self.step + 1, self.every_s
 
+    def write(self, readings: dict[str, float]) -> None:
+        from mlflow.entities import Metric
 
-def writer(client: Any, run_id: str) -> Write:
-    """Readings as a metrics batch of the run, through ``client`` (the logger's, or a node's
-    outbox's). A failure is said once; the sampler goes on."""
-    from mlflow.entities import Metric
-
-    failed: list[Exception] = []
-
-    def write(metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
+        metrics = [Metric(self.prefix + key, v, now, self.step) for key, v in readings.items()]
         try:
-            client.log_batch(run_id, [Metric(key, v, now, step) for key, v in metrics.items()])
+            self.client.log_batch(self.run_id, metrics)
         except Exception as error:
-            if not failed:
-                failed.append(error)
-                rank_zero_warn(f"system metrics of run {run_id} could not be written: {error}")
-
-    return write
+            if not self.failed:
+                self.failed = True
+                rank_zero_warn(f"system metrics of run {self.run_id} could not be written: {error}")
 
 
 class SystemMetrics(Callback):
@@ -107,8 +97,9 @@ class SystemMetrics(Callback):
         else:
             return
         prefix = PREFIX + (f"node{trainer.node_rank}/" if trainer.num_nodes > 1 else "")
-        write = writer(client, self.run_id)
-        self.sampler = Sampler(self.every_s, prefix, write, first_step, self.tracking_uri)
+        self.sampler = Sampler(
+            self.every_s, prefix, client, self.run_id, first_step, self.tracking_uri
+        )
         self.sampler.start()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
