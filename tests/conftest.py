@@ -80,6 +80,22 @@ def run_job(
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def kill_process_trees(*procs: subprocess.Popen) -> None:
+    """SIGKILL processes and every process they started, at once (a lost node gives no
+    signal), and wait until all are gone."""
+    tree = []
+    for proc in procs:
+        with suppress(psutil.NoSuchProcess):
+            root = psutil.Process(proc.pid)
+            tree += [root, *root.children(recursive=True)]
+    for process in tree:
+        with suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(tree, timeout=30)
+    for proc in procs:
+        proc.wait()
+
+
 def run_entry(
     module: str,
     *overrides: str,

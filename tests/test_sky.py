@@ -6,12 +6,18 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import yaml
 
-from tests.conftest import PROJECT, assert_rank_logs, assert_same_metrics, only_run, tiny_overrides
+from tests.conftest import (
+    PROJECT,
+    assert_rank_logs,
+    assert_same_metrics,
+    kill_process_trees,
+    only_run,
+    tiny_overrides,
+)
 from tests.test_distributed import free_port, launch_together
 from tests.test_resume import SIGNAL_AT_STEP
 
@@ -95,12 +101,7 @@ def test_a_preempted_managed_job_run_again_continues_exactly(
             assert time.monotonic() < deadline and all(n.poll() is None for n in nodes)
             time.sleep(0.1)
     finally:  # every process of each node: bash, torchrun and its workers (their own sessions)
-        tree = [
-            p for n in nodes for p in [psutil.Process(n.pid), *psutil.Process(n.pid).children(True)]
-        ]
-        for process in tree:
-            process.kill()
-        psutil.wait_procs(tree, timeout=30)
+        kill_process_trees(*nodes)
     step = torch.load(last, weights_only=True)["global_step"]
     assert 0 < step < 10, "killed mid-epoch, after a step checkpoint"
     launch_together([command, command], node_envs(task, args), cwd=tmp_path)

@@ -15,14 +15,20 @@ import time
 from pathlib import Path
 
 import optuna
-import psutil
 import pytest
 import torch
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 from src.template.distributed import hparams_digest
-from tests.conftest import N_TRAIN, PROJECT, read_metrics, run_entry, tiny_overrides
+from tests.conftest import (
+    N_TRAIN,
+    PROJECT,
+    kill_process_trees,
+    read_metrics,
+    run_entry,
+    tiny_overrides,
+)
 from tests.test_resume import SIGNAL_AT_STEP
 from tests.test_train import assert_same_tensors
 
@@ -172,15 +178,6 @@ def test_a_seed_sweep_nests_its_runs_under_a_parent_that_sums_them_up(
     assert [float(r["test/acc"]) for r in rows] == [m["test/acc"] for m in metrics]
 
 
-def kill_process_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a process and every process it started, at once: a lost node gives no signal."""
-    tree = psutil.Process(proc.pid)
-    for each in [tree, *tree.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            each.kill()
-    proc.wait()
-
-
 def test_a_sweep_killed_anywhere_run_again_ends_as_the_uninterrupted_sweep(
     tiny_root: Path, tmp_path: Path
 ) -> None:
@@ -199,7 +196,7 @@ def test_a_sweep_killed_anywhere_run_again_ends_as_the_uninterrupted_sweep(
     )  # fmt: skip
     with contextlib.suppress(subprocess.TimeoutExpired):
         sweep.wait(timeout=delay)
-    kill_process_tree(sweep)
+    kill_process_trees(sweep)
     where = f"killed {delay:.1f} s after the sweep started"
     run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path)
     for job in ("0", "1", "2", "3"):
