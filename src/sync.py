@@ -4,7 +4,8 @@ A job whose server was away at its end keeps the records in ``OUTPUT_DIR/mlflow_
 (see src/template/outbox.py) and says so. This sends them, in order, and sets the run's final
 status (FAILED for a job that died before it set one). A ``logger.offline=true`` job's run is
 created here. Run it any time, from any machine that sees the folder and the server; run again,
-it changes nothing.
+it changes nothing. Given a sweep folder, it sends every job's, and an offline sweep's parent run:
+made first, so the jobs nest under it, and summed up last, once the jobs' runs have their ids.
 """
 
 import argparse
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from src.template.environment import environment
-from src.template.outbox import NODE_OUTBOX, Outbox, OutboxBusy, encode
+from src.template.outbox import NODE_OUTBOX, OUTBOX_FILE, Outbox, OutboxBusy, encode
 from src.template.store import FAIL_FAST
 from src.template.tracking import RUN_ID_FILE
 
@@ -23,6 +24,8 @@ def sync(folder: Path, tracking_uri: str | None = None) -> str:
     line."""
     from mlflow import MlflowClient
 
+    if (folder / "multirun.yaml").is_file():
+        return sync_sweep(folder, tracking_uri)
     outbox = Outbox(folder)
     try:
         uri = tracking_uri or outbox.tracking_uri
@@ -50,10 +53,33 @@ def sync(folder: Path, tracking_uri: str | None = None) -> str:
     return f"sent {count} record(s) to {uri}: run {run_id} is {status}"
 
 
-def send_all(outbox: Outbox, client: Any, uri: str) -> int:
-    """Send every pending record of ``outbox``, in order; how many."""
-    count = outbox.pending
-    while outbox.pending:
+def sync_sweep(folder: Path, tracking_uri: str | None = None) -> str:
+    """Each job of a sweep folder, and an offline sweep's parent run; one line each."""
+    from mlflow import MlflowClient
+
+    jobs = sorted(path.parent for path in folder.glob(f"*/{OUTBOX_FILE}"))
+    if jobs and not (folder / OUTBOX_FILE).is_file():  # not offline: the parent is on the server
+        return "\n".join(sync(job, tracking_uri) for job in jobs)
+    parent = Outbox(folder)
+    try:
+        uri = tracking_uri or parent.tracking_uri
+        client = MlflowClient(uri)
+        with environment(**FAIL_FAST):
+            count = send_all(parent, client, uri, 1 if parent.sent == 1 else 0)  # it, first
+            done = [sync(job, tracking_uri) for job in jobs]
+            count += send_all(parent, client, uri)  # its summary, naming the jobs' runs
+            status = client.get_run(parent.run_id).info.status
+    finally:
+        parent.close()
+    return "\n".join(
+        [*done, f"sent {count} record(s): the sweep's run {parent.run_id} is {status}"]
+    )
+
+
+def send_all(outbox: Outbox, client: Any, uri: str, limit: int | None = None) -> int:
+    """Send the pending records of ``outbox`` (the first ``limit`` of them), in order; how many."""
+    count = outbox.pending if limit is None else min(limit, outbox.pending)
+    for _ in range(count):
         try:
             outbox.send_next(client)
         except Exception as error:
@@ -67,7 +93,7 @@ def send_all(outbox: Outbox, client: Any, uri: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("output_dir", type=Path, help="the job's output folder")
+    parser.add_argument("output_dir", type=Path, help="a job's output folder, or a sweep's")
     parser.add_argument("--tracking-uri", help="the server, if not the one the job used")
     args = parser.parse_args(argv)
     try:

@@ -4,11 +4,13 @@ The jobs below run against a real ``mlflow server`` that the test stops (its who
 group) and starts again on the same port and store, as an outage would.
 """
 
+import csv
 import hashlib
 import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -21,8 +23,10 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
+from src import sync as src_sync
 from src.template.outbox import OUTBOX_FILE, Outbox, OutboxBusy, OutboxClient, Sender, encode
-from tests.conftest import PROJECT, local_server_argv, mlflow_server
+from tests.conftest import PROJECT, local_server_argv, mlflow_server, read_metrics, run_entry
+from tests.test_sweeps import sweep_folders, sweep_overrides
 
 INSTRUMENT = PROJECT / "tests" / "signal_at_step"
 EPOCHS = 5
@@ -255,6 +259,50 @@ def test_an_offline_job_leaves_its_whole_run_to_src_sync(server, job_factory) ->
         (again,) = client.search_runs([run.info.experiment_id])
         assert again.info.run_id == run_id
         assert_complete_run(client, run_id, 2, "FINISHED")
+
+
+@pytest.mark.slow
+def test_an_offline_seed_sweep_once_synced_is_the_online_sweep(server, tiny_root, tmp_path) -> None:
+    """logger.offline=true in a sweep: no server while it runs; src.sync on the sweep folder then
+    makes on the server what an online sweep makes: the parent, every job nested under it, the
+    summary naming the jobs' runs. Synced again, nothing is made twice."""
+    run_entry(
+        "train", "-m", *sweep_overrides(tiny_root), "seed=1,2", "logger.offline=true",
+        f"logger.tracking_uri={server.url}", "logger.log_model=false", cwd=tmp_path,
+    )  # fmt: skip
+    (sweep,) = sweep_folders(tmp_path)
+    with server() as url:
+        assert (done := sync(sweep)).returncode == 0, done.stderr
+        client = MlflowClient(url)
+        experiment = client.get_experiment_by_name("mnist").experiment_id
+        runs = client.search_runs([experiment])
+        (parent,) = [run for run in runs if run.data.tags.get("sweep.parent") == sweep.name]
+        children = {int(r.data.tags["sweep.job"]): r for r in runs if "sweep.job" in r.data.tags}
+        assert sorted(children) == [0, 1] and len(runs) == 3
+        assert {r.data.tags["mlflow.parentRunId"] for r in children.values()} == {
+            parent.info.run_id
+        }
+        assert {run.info.status for run in runs} == {"FINISHED"}
+        tags, got = parent.data.tags, parent.data.metrics
+        assert parent.info.run_name == f"train mnist sweep {sweep.name}" and "-m" in tags["command"]
+        assert (tags["sweep.jobs"], tags["sweep.finished"]) == ("2", "2")
+        metrics = [read_metrics(sweep / str(job)) for job in range(2)]
+        best = max(range(2), key=lambda job: metrics[job]["val/acc_best"])  # the first of ties
+        assert tags["best.job"] == str(best) and tags["best.run_id"] == children[best].info.run_id
+        values = [m["test/acc"] for m in metrics]
+        assert got["test/acc_mean"] == pytest.approx(statistics.mean(values))
+        assert got["test/acc_std"] == pytest.approx(statistics.stdev(values))
+        assert got["test/acc_ci95_low"] <= got["test/acc_mean"] <= got["test/acc_ci95_high"]
+        parent_id = parent.info.run_id
+        assert {a.path for a in client.list_artifacts(parent_id)} == {"jobs.csv", "seeds.csv"}
+        with open(client.download_artifacts(parent_id, "jobs.csv", str(tmp_path))) as file:
+            rows = list(csv.DictReader(file))
+        assert [row["run_id"] for row in rows] == [children[job].info.run_id for job in range(2)]
+        history = {key: client.get_metric_history(parent_id, key) for key in got}
+        again = src_sync.sync(sweep).splitlines()  # in this process: no second start-up
+        assert len(again) == 3 and all(line.startswith("sent 0 record(s)") for line in again)
+        assert len(client.search_runs([experiment])) == 3
+        assert {key: client.get_metric_history(parent_id, key) for key in got} == history
 
 
 def md5(path: Path) -> str:

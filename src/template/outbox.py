@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ NODE_OUTBOX = "mlflow_outbox.node{}"  # node k > 0 of a job: its system metrics
 OUTBOX_FILE = f"{OUTBOX}.jsonl"  # one JSON record per line, the first one a header
 RUNS_FILE = "mlflow_outbox.runs.json"  # offline jobs: placeholder run id -> the real one
 PLACEHOLDER_TAG = "outbox.placeholder"  # on a run src.sync created for an offline job
+OFFLINE = "offline-"  # how a placeholder id starts
 # The client calls the outbox carries, with the names of their arguments after the run id.
 WRITES: dict[str, tuple[str, ...]] = {
     "log_batch": ("metrics", "params", "tags"),
@@ -33,7 +35,13 @@ WRITES: dict[str, tuple[str, ...]] = {
     "log_artifact": ("local_path", "artifact_path"),
     "log_inputs": ("datasets",),
     "log_model": ("folder", "step", "key", "registered_name", "metrics"),  # see export.py
+    "summarize": ("folder", "metric", "mode"),  # an offline sweep's summary: see sweep_run.py
 }
+
+
+def offline_run_id() -> str:
+    """The id an offline job's run has until src.sync creates the run."""
+    return f"{OFFLINE}{uuid.uuid4().hex}"
 
 
 class OutboxBusy(RuntimeError):
@@ -82,22 +90,38 @@ def send(client: Any, record: dict[str, Any]) -> None:
 
         log_model(client.tracking_uri, run_id, Path(kwargs.pop("folder")), **kwargs)
         return
+    elif method == "summarize":
+        from src.template.sweep_run import write_summary
+
+        write_summary(client, run_id, Path(kwargs.pop("folder")), **kwargs)
+        return
     getattr(client, method)(run_id, **kwargs)
 
 
 def create_run(client: Any, record: dict[str, Any]) -> str:
     """The id of the run an offline job's ``create_run`` record stands for: made by an earlier
-    sync (found by its placeholder tag), else now."""
-    name, placeholder = record["experiment_name"], record["run_id"]
+    sync (found by its placeholder tag), else now; an offline sweep job's under the parent run
+    that syncing its sweep folder made first."""
+    name, placeholder, tags = record["experiment_name"], record["run_id"], dict(record["tags"])
     known = client.get_experiment_by_name(name)
     exp = known.experiment_id if known else client.create_experiment(name, tags=EXPERIMENT_TAGS)
-    found = client.search_runs([exp], f"tags.`{PLACEHOLDER_TAG}` = '{placeholder}'")
-    if found:
-        return found[0].info.run_id
+    if found := created(client, exp, placeholder):
+        return found
+    if (parent := tags.get("mlflow.parentRunId", "")).startswith(OFFLINE):
+        tags["mlflow.parentRunId"] = created(client, exp, parent)
+        if tags["mlflow.parentRunId"] is None:
+            raise LookupError(f"the sweep's parent run {parent} is not on the server yet: "
+                              "python -m src.sync <sweep folder> sends it first")  # fmt: skip
     return client.create_run(
         exp, start_time=record["start_time"], run_name=record["run_name"],
-        tags={**record["tags"], PLACEHOLDER_TAG: placeholder},
+        tags={**tags, PLACEHOLDER_TAG: placeholder},
     ).info.run_id  # fmt: skip
+
+
+def created(client: Any, experiment_id: str, placeholder: str) -> str | None:
+    """The run a sync made for an offline run's placeholder, if any."""
+    found = client.search_runs([experiment_id], f"tags.`{PLACEHOLDER_TAG}` = '{placeholder}'")
+    return found[0].info.run_id if found else None
 
 
 class Outbox:

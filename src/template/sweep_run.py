@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import time
+from contextlib import closing
 from pathlib import Path
 from statistics import mean, stdev
 from typing import Any
@@ -15,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from src.template.files import write_text_atomically
+from src.template.outbox import Outbox, encode, offline_run_id
 from src.template.store import locked, mask_override, without_password
 from src.template.sweeps import sweep_command, sweep_job, sweep_overrides, varied_overrides
 
@@ -26,7 +28,8 @@ REPEATS = ("seed=", "fold=")  # jobs that differ only in these repeat one experi
 
 def parent_run(cfg: DictConfig) -> str | None:
     """The id of this sweep job's parent run, made by the first job that asks; None outside a
-    sweep. Called on rank 0 once the store is prepared."""
+    sweep. Called on rank 0 once the store is prepared. An offline sweep's is a placeholder: a
+    record in the sweep folder's outbox, which ``python -m src.sync <sweep folder>`` sends."""
     if (job := sweep_job()) is None:
         return None
     from mlflow import MlflowClient
@@ -37,35 +40,47 @@ def parent_run(cfg: DictConfig) -> str | None:
         saved = json.loads(path.read_text()) if path.is_file() else {}
         if saved.get("tracking_uri") == without_password(uri):
             return saved["run_id"]
-        client = MlflowClient(uri)
-        experiment = client.get_experiment_by_name(cfg.logger.experiment_name)
         command = " ".join(map(mask_override, sweep_command(folder, f"src.{cfg.task_name}")))
-        run = client.create_run(
-            experiment.experiment_id,
-            run_name=f"{cfg.task_name} {cfg.data.name} sweep {folder.name}",
-            tags={"sweep.parent": folder.name, "command": command},  # no task tag: not a job
-        )
-        saved = {"run_id": run.info.run_id, "tracking_uri": without_password(uri)}
+        run = {
+            "run_name": f"{cfg.task_name} {cfg.data.name} sweep {folder.name}",
+            "tags": {"sweep.parent": folder.name, "command": command},  # no task tag: not a job
+        }
+        if cfg.logger.get("offline"):  # a record for src.sync, as an offline job's own run is
+            run_id, name = offline_run_id(), cfg.logger.experiment_name
+            with closing(Outbox(folder, without_password(uri))) as outbox:
+                outbox.append(encode("create_run", run_id, experiment_name=name, **run))
+        else:
+            client = MlflowClient(uri)
+            experiment = client.get_experiment_by_name(cfg.logger.experiment_name)
+            run_id = client.create_run(experiment.experiment_id, **run).info.run_id
+        saved = {"run_id": run_id, "tracking_uri": without_password(uri)}
         write_text_atomically(path, json.dumps(saved))
-        return run.info.run_id
+        return run_id
 
 
 @rank_zero_only
 def summarize(cfg: DictConfig, mode: str) -> None:
-    """Rewrite the sweep's summary on its parent run from the job folders on disk. A store that
-    does not answer costs a warning: the next job to end writes it again."""
+    """Rewrite the sweep's summary on its parent run from the job folders on disk (an offline
+    sweep's: src.sync does, once its jobs' runs exist). A store that does not answer costs a
+    warning: the next job to end writes it again."""
     job = sweep_job()
     if job is None or not (job[0] / PARENT_FILE).is_file():
         return
     from mlflow import MlflowClient
 
-    parent = json.loads((job[0] / PARENT_FILE).read_text())
-    if parent["tracking_uri"] != without_password(cfg.logger.tracking_uri):
+    parent, uri = json.loads((job[0] / PARENT_FILE).read_text()), cfg.logger.tracking_uri
+    if parent["tracking_uri"] != without_password(uri):
         return  # this job logged to another store
     try:
         with locked(job[0]):
-            client = MlflowClient(cfg.logger.tracking_uri)
-            write_summary(client, parent["run_id"], job[0], cfg.optimized_metric, mode)
+            if not cfg.logger.get("offline"):
+                client = MlflowClient(uri)
+                return write_summary(client, parent["run_id"], job[0], cfg.optimized_metric, mode)
+            with closing(Outbox(job[0], without_password(uri))) as outbox:
+                record = encode("summarize", parent["run_id"], folder=job[0],
+                                metric=cfg.optimized_metric, mode=mode)  # fmt: skip
+                if not (outbox.pending and outbox.records[-1] == record):  # else one is queued
+                    outbox.append(record)
     except Exception as error:
         rank_zero_warn(f"the sweep's summary on run {parent['run_id']} was not updated: {error}")
 

@@ -22,7 +22,7 @@ from src.template import store, sweep_run
 from src.template.config import as_config_error, flatten
 from src.template.distributed import requested_processes
 from src.template.files import write_text_atomically
-from src.template.outbox import Outbox, OutboxClient, Sender, encode, finish
+from src.template.outbox import Outbox, OutboxClient, Sender, encode, finish, offline_run_id
 from src.template.resume import epoch_finished
 from src.template.store import TrackingError, first_line, sqlite_file, without_password
 from src.template.sweeps import sweep_job
@@ -118,12 +118,12 @@ def build_loggers(
     tags = {**user_tags(cfg.logger, reserved=list(tags)), **tags}
     if not offline:
         store.prepare_store(uri, cfg.logger.experiment_name)
-        if parent := sweep_run.parent_run(cfg):  # a sweep job's run nests under its sweep's
-            tags["mlflow.parentRunId"] = parent
+    if parent := sweep_run.parent_run(cfg):  # a sweep job's run nests under its sweep's
+        tags["mlflow.parentRunId"] = parent
     names = {"experiment_name": cfg.logger.experiment_name, "run_name": cfg.logger.run_name}
     logger = EpochMLFlowLogger(
         **names, tracking_uri=uri, artifact_location=store.artifact_location(uri), tags=tags,
-        run_id=f"offline-{uuid.uuid4().hex}" if offline else continue_run, offline=offline,
+        run_id=offline_run_id() if offline else continue_run, offline=offline,
     )  # fmt: skip
     if offline:  # the run is a record for src.sync to create later
         from mlflow.tracking.context.registry import resolve_tags
