@@ -275,7 +275,8 @@ def test_a_reviewer_sees_named_runs_and_linked_models_in_the_mlflow_ui(
 ) -> None:
     """docs/mlflow.md "Reviewing runs", in a real browser against `mlflow ui`."""
     sweep = ["trainer.max_epochs=1", "model.lr=0.01,0.02", "logger.registered_model_name=r"]
-    run_entry("train", "-m", *tiny_overrides(tiny_root), *sweep, cwd=tmp_path)
+    swept = run_entry("train", "-m", *tiny_overrides(tiny_root), *sweep, cwd=tmp_path)
+    (shown, _) = [line.split()[2] for line in swept.stdout.splitlines() if "MLflow run: " in line]
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("mnist").experiment_id
     model = client.search_logged_models([experiment], order_by=[{"field_name": "creation_time"}])[0]
@@ -289,6 +290,9 @@ def test_a_reviewer_sees_named_runs_and_linked_models_in_the_mlflow_ui(
         assert "train mnist sweep " in runs, "one row: the sweep's parent, its jobs nested under it"
         models = page_text(f"{url}/#/experiments/{experiment}/models?workflowType=machine_learning")
         assert "train mnist lr=0.01" in models and "train mnist lr=0.02" in models, models[:2000]
+        # The page each job prints (for `mlflow ui` on its default port): the run, in training mode.
+        run_page = page_text(shown.replace("http://127.0.0.1:5000", url))
+        assert "train mnist lr=0.01" in run_page and "Model training" in run_page, run_page[:3000]
         model_page = page_text(f"{url}/#/experiments/{experiment}/models/{model.model_id}")
         assert "Datasets used mnist/test" in model_page, model_page[-2000:]
         assert "Model versions r v1" in model_page, model_page[-2000:]

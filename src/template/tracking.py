@@ -226,6 +226,25 @@ def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> No
             continue
         log_params(logger, params)
         write_text_atomically(Path(cfg.paths.output_dir, RUN_ID_FILE), logger.run_id + "\n")
+        show_run_page(logger, cfg.logger.tracking_uri)
+
+
+@rank_zero_only
+def show_run_page(logger: MLFlowLogger, tracking_uri: str) -> None:
+    """The run's page in the MLflow UI, on its training side: MLflow 3.17's UI opens on GenAI
+    whatever the experiment's kind says (mlflow/mlflow#24498). An offline run has no page yet."""
+    if getattr(logger, "offline", False):
+        return
+    database = sqlite_file(tracking_uri)
+    ui = "http://127.0.0.1:5000" if database else without_password(tracking_uri).rstrip("/")
+    page = f"{ui}/#/experiments/{logger.experiment_id}/runs/{logger.run_id}"
+    if database is None:
+        how = ""
+    elif database.resolve() == Path("mlflow.db").resolve():
+        how = " (after `mlflow ui` here)"
+    else:
+        how = f" (after `mlflow ui --backend-store-uri {tracking_uri}`)"
+    print(f"MLflow run: {page}?workflowType=machine_learning{how}")
 
 
 @rank_zero_only
