@@ -30,6 +30,7 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -183,6 +184,7 @@ def train_job(overrides: list[str], workdir: Path, steps: int, warmup: int) -> d
             time.sleep(0.05)
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
+    shutil.rmtree(run_dir, ignore_errors=True)  # its config and log: nothing to keep
     marks = dict(line.split()[:2] for line in stdout.splitlines() if line[:5] in ("FIRST", "WAIT_"))
     if proc.returncode or len(marks) != 2:
         raise RuntimeError(f"training failed:\n{stdout[-2000:]}\n{stderr[-2000:]}")
