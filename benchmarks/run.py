@@ -17,6 +17,8 @@ read from ``$TEMPLATE_DATA_DIR`` (default ``../shared/data``); without it, rows 
 8. GPU rows: resident data, bf16, compile (on the CPU in --tiny mode)
 9. host time per step: raw loop, bare Lightning Trainer and ``src.train`` on a tiny network, and
    the default ConvNet's throughput ratio (:mod:`benchmarks.step_overhead`)
+10. data at scale: peak memory and first step, streamed and in memory, for generated JPEGs;
+   one loader worker's decode + augment throughput (:mod:`benchmarks.data_scale`)
 
 ``--tiny`` runs every row on a small generated dataset in about a minute (used by the tests).
 """
@@ -539,6 +541,9 @@ def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict
     rows |= step_overhead.measure(
         step_overhead.data_overrides(workdir, tiny), workdir, repeats, tiny
     )
+    from benchmarks import data_scale
+
+    rows |= data_scale.run_rows(tiny, workdir, repeats)
     return {
         "machine": machine(),
         "settings": {
