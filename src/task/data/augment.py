@@ -6,6 +6,7 @@ the loader ``(epoch, position)`` pairs, so the augmented batch is the same for a
 devices or loader workers, and a resumed job draws what the uninterrupted one drew.
 """
 
+import copy
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -88,8 +89,9 @@ def augment_one(image: Tensor, settings: dict[str, Any], generator: torch.Genera
 
 class AugmentedSplit(Dataset):
     """A training split whose batches are augmented per sample; takes ``(epoch, position)``
-    pairs from :class:`EpochTaggedSampler`. Works on the normalised batch the split returns
-    (undone, augmented on ``[0, 1]`` pixels, redone), so any split of the contract fits."""
+    pairs from :class:`EpochTaggedSampler`. Reads the split's stored ``uint8`` pixels (a copy
+    of it without its ``transform``), augments each image on ``[0, 1]`` pixels and normalises
+    it once."""
 
     def __init__(
         self,
@@ -99,7 +101,8 @@ class AugmentedSplit(Dataset):
         mean: Sequence[float],
         std: Sequence[float],
     ) -> None:
-        self.split, self.settings, self.seed = split, settings, seed
+        self.split, self.settings, self.seed = copy.copy(split), settings, seed
+        self.split.transform = None  # type: ignore[attr-defined]
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
 
@@ -108,11 +111,11 @@ class AugmentedSplit(Dataset):
 
     def __getitems__(self, items: list[tuple[int, int]]) -> Batch:
         batch = self.split.__getitems__([position for _, position in items])
-        pixels = batch.inputs * self.std + self.mean
-        augmented = torch.stack(
-            [
-                augment_one(image, self.settings, sample_generator(self.seed, epoch, int(index)))
-                for image, (epoch, _), index in zip(pixels, items, batch.indices, strict=True)
-            ]
-        )
-        return Batch((augmented - self.mean) / self.std, batch.targets, batch.indices)
+        augmented = torch.empty(batch.inputs.shape, dtype=torch.float32)
+        for row, ((epoch, _), index) in enumerate(zip(items, batch.indices, strict=True)):
+            pixels = batch.inputs[row].float().div_(255)
+            image = augment_one(
+                pixels, self.settings, sample_generator(self.seed, epoch, int(index))
+            )
+            torch.sub(image, self.mean, out=augmented[row]).div_(self.std)
+        return Batch(augmented, batch.targets, batch.indices)
