@@ -33,9 +33,10 @@ class StageMetrics(Metric):
         self.add_state("samples", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
     def update(self, losses: Tensor, logits: Tensor, labels: Tensor) -> None:
-        self.loss_sum += losses.sum()
-        self.correct += (logits.argmax(dim=1) == labels).sum()
-        self.samples += labels.numel()  # a Python number: no host-to-device copy
+        # In place: ``+=`` would also set each state again through nn.Module's __setattr__.
+        self.loss_sum.add_(losses.sum())
+        self.correct.add_((logits.argmax(dim=1) == labels).sum())
+        self.samples.add_(labels.numel())  # a Python number: no host-to-device copy
 
     def compute(self) -> dict[str, Tensor]:
         return {

@@ -46,6 +46,9 @@ class EpochEndCheckpoint(ModelCheckpoint):
         if epoch_finished(trainer):
             super().on_train_epoch_end(trainer, pl_module)
 
+    def on_train_batch_end(self, *args: Any) -> None:
+        pass  # ModelCheckpoint's checks, at every step, of step and time intervals never set
+
 
 class BestCheckpoint(EpochEndCheckpoint):
     """Top-k checkpointing that survives a resume into another folder: the best files so far

@@ -2,7 +2,9 @@
 order depends on (seed, epoch) only, the position comes from Lightning's loop state, a
 mid-epoch checkpoint carries the epoch's metric sums, and every step is seeded anew."""
 
+import hashlib
 import random
+import struct
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -112,6 +114,13 @@ class MidEpochState(Callback):
         self.loaded = {}
 
 
+def step_seed(seed: int, epoch: int, batch: int, rank: int) -> int:
+    """A 32-bit seed of its own for each training step: a hash (BLAKE2b) of where the step is,
+    the same on any machine and version (NumPy's SeedSequence took ~30 µs inside a step)."""
+    where = struct.pack("<4Q", seed, epoch, batch, rank)
+    return int.from_bytes(hashlib.blake2b(where, digest_size=4).digest(), "little")
+
+
 class SeedEachBatch(Callback):
     """Seeds python, numpy and torch before every training step from (seed, epoch, batch, rank):
     no generator state to gather or store. The seed travels in the checkpoint (``seed=null``)."""
@@ -122,8 +131,7 @@ class SeedEachBatch(Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        entropy = [self.seed, trainer.current_epoch, batch_idx, trainer.global_rank]
-        seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
+        seed = step_seed(self.seed, trainer.current_epoch, batch_idx, trainer.global_rank)
         random.seed(seed)
         np.random.seed(seed)
         # As torch.manual_seed, which also queues a seed for every accelerator not initialised,
