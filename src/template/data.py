@@ -91,18 +91,19 @@ def fitting_batch(samples: int) -> int:
 
 def carve_validation(n: int, hparams: Any) -> tuple[Tensor, Tensor]:
     """(validation, training) indices: the first ``val_size`` of a ``split_seed`` permutation,
-    or with ``folds=K``, fold ``fold`` of K equal parts (a sweep over ``data.fold``)."""
+    or with ``folds=K``, fold ``fold`` of K equal parts (a sweep over ``data.fold``). Validation
+    is in index order, the order a sharded copy stores it in, so both sum its batches alike."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(hparams.split_seed))
     folds, fold = hparams.get("folds"), hparams.get("fold") or 0
     if not folds:
-        return perm[: hparams.val_size], perm[hparams.val_size :]
+        return perm[: hparams.val_size].sort().values, perm[hparams.val_size :]
     if not 2 <= folds <= n or not 0 <= fold < folds:
         raise DataError(
             f"data.folds={folds} data.fold={fold}: use 2 <= folds <= {n} and 0 <= fold < folds, "
             "e.g. data.folds=5 data.fold=0,1,2,3,4 (a sweep)"
         )
     start, end = n * fold // folds, n * (fold + 1) // folds
-    return perm[start:end], torch.cat([perm[:start], perm[end:]])
+    return perm[start:end].sort().values, torch.cat([perm[:start], perm[end:]])
 
 
 class TensorDataModule(LightningDataModule):
