@@ -90,6 +90,20 @@ SKIPPED: dict[str, str] = {
     "'python -m benchmarks.run --tiny', every row on tiny data",
 }
 
+# Page commands that another test runs as written (it takes them from the pages with
+# ``page_arguments``, adds tiny-data overrides) and checks more closely: run once, there.
+RUN_ELSEWHERE: dict[str, str] = {
+    r"^python -m src\.train -m strategy=ddp devices=1,2,4 ": "tests/test_sweeps.py::"
+    "test_the_guides_ddp_sweep_runs_every_job_once_with_its_own_world",
+    r"study_name=convnet-ddp2$": "tests/test_sweeps.py::"
+    "test_optuna_search_trains_each_trial_on_every_rank",
+    r"^python -m src\.train -m hydra/launcher=slurm .*accelerator=cpu model\.lr=": "tests/"
+    "test_slurm.py::test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks",
+    r"^python -m src\.train -m hparams_search=convnet_optuna hydra/launcher=slurm .*=cpu$": "tests/"
+    "test_slurm.py::test_optuna_trials_run_as_slurm_jobs",
+}
+SKIPPED |= {pattern: f"{test} runs it as written" for pattern, test in RUN_ELSEWHERE.items()}
+
 # Placeholders a reader fills in, and what the tests fill in.
 CKPT_PLACEHOLDER = re.compile(r"^ckpt_path=(PATH|\S*<[^<>]+>\S*/last\.ckpt)$")
 DROPPED_GROUP = ("[same", "overrides]")
@@ -538,6 +552,13 @@ def shown(pattern: str) -> ReadmeCommand:
     return found[0]
 
 
+def page_arguments(test: str) -> list[str]:
+    """What the page command that ``test`` (a function name in ``RUN_ELSEWHERE``) runs gives
+    its entry point."""
+    (pattern,) = [p for p, t in RUN_ELSEWHERE.items() if t.endswith(f"::{test}")]
+    return arguments(list(shown(pattern).tokens))
+
+
 def run_mlflow_ui(command: ReadmeCommand, workdir: Path, request: pytest.FixtureRequest) -> None:
     """``mlflow ui`` (or ``mlflow server ...``) answers, its page too, and opens its store in the
     launch folder."""
@@ -932,6 +953,9 @@ def test_every_command_is_run_or_skipped() -> None:
     """Each command of the pages is an entry point, has a runner, or is in SKIPPED with why."""
     assert [c.text for c in COMMANDS if how_run(c) is None] == []
     assert [c.text for c in COMMANDS if not is_entry_point(c.tokens) and how_run(c) == "runner"]
+    for test in RUN_ELSEWHERE.values():  # each names a test that exists
+        path, name = test.split("::")
+        assert f"def {name}(" in (PROJECT / path).read_text(), test
     unknown = ReadmeCommand(("rsync", "-a", "outputs/", "host:"))
     assert how_run(unknown) is None, "a new command with neither fails"
 

@@ -24,6 +24,7 @@ from tests.conftest import (
     tiny_overrides,
     wait_for_file,
 )
+from tests.test_readme import page_arguments
 
 SBATCH = PROJECT / "slurm" / "train.sbatch"
 EVAL_SBATCH = PROJECT / "slurm" / "eval.sbatch"
@@ -215,12 +216,11 @@ def mlflow_runs(store: Path) -> list:
 def test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks(
     slurm_cluster: None, tiny_root: Path, tmp_path: Path
 ) -> None:
-    # The command of docs/clusters.md, on a fresh store; both jobs start together on the 4-CPU node.
+    # The command of README and docs/clusters.md as written, on a fresh store; both jobs start
+    # together on the 4-CPU node.
+    args = page_arguments("test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks")
     overrides = [o for o in tiny_overrides(tiny_root) if not o.startswith("model.lr=")]
-    proc = run_entry(
-        "train", "-m", "hydra/launcher=slurm", "strategy=ddp", "devices=2", "accelerator=cpu",
-        "model.lr=0.01,0.02", *overrides, "trainer.max_epochs=1", cwd=tmp_path,
-    )  # fmt: skip
+    proc = run_entry("train", *args, *overrides, "trainer.max_epochs=1", cwd=tmp_path)
     assert "Traceback" not in proc.stderr
     runs = mlflow_runs(tmp_path / "mlflow.db")
     parents = {r.data.tags["mlflow.parentRunId"] for r in runs}
@@ -239,10 +239,11 @@ def test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks(
 
 @pytest.mark.slow
 def test_optuna_trials_run_as_slurm_jobs(slurm_cluster: None, tiny_root: Path, tmp_path: Path):
+    """docs/clusters.md's Optuna search on SLURM as written (2 trials)."""
     run_entry(
-        "train", "-m", "hparams_search=convnet_optuna", "hydra/launcher=slurm", "strategy=ddp",
-        "devices=2", "accelerator=cpu", *tiny_overrides(tiny_root), "trainer.max_epochs=1",
-        "hydra.sweeper.n_trials=2", cwd=tmp_path,
+        "train", *page_arguments("test_optuna_trials_run_as_slurm_jobs"),
+        *tiny_overrides(tiny_root), "trainer.max_epochs=1", "hydra.sweeper.n_trials=2",
+        cwd=tmp_path,
     )  # fmt: skip
     runs = mlflow_runs(tmp_path / "mlflow.db")
     assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)

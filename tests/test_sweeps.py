@@ -5,6 +5,7 @@ Typed as a user types them: the sweep folder is Hydra's default, ``outputs/train
 
 import contextlib
 import csv
+import itertools
 import json
 import os
 import random
@@ -29,6 +30,7 @@ from tests.conftest import (
     run_entry,
     tiny_overrides,
 )
+from tests.test_readme import page_arguments
 from tests.test_resume import SIGNAL_AT_STEP
 from tests.test_train import assert_same_tensors
 
@@ -65,21 +67,23 @@ def trained_lr(job_dir: Path) -> tuple[float, str]:
     return hparams["lr"], f"hyperparameters md5 {hparams_digest(hparams)}"
 
 
-def test_ddp_sweep_runs_every_job_once_with_its_own_world(tiny_root: Path, tmp_path: Path) -> None:
-    run_entry(
-        "train", "-m", *sweep_overrides(tiny_root),
-        "strategy=ddp", "devices=1,2", "model.lr=0.01,0.02",
-        cwd=tmp_path,
-    )  # fmt: skip
+def test_the_guides_ddp_sweep_runs_every_job_once_with_its_own_world(
+    tiny_root: Path, tmp_path: Path
+) -> None:
+    """The README's DDP sweep as written: devices x learning rates, each job its own world."""
+    args = page_arguments("test_the_guides_ddp_sweep_runs_every_job_once_with_its_own_world")
+    run_entry("train", *args, *sweep_overrides(tiny_root), cwd=tmp_path)
+    values = dict(arg.split("=", 1) for arg in args if "=" in arg)
+    worlds, lrs = values["devices"].split(","), values["model.lr"].split(",")
+    expected = dict(enumerate(itertools.product(worlds, lrs)))
     (sweep,) = sweep_folders(tmp_path)
-    assert sorted(p.name for p in sweep.iterdir()) == [
-        "0", "1", "2", "3", "jobs.csv", "mlflow_parent_run.json", "multirun.yaml"
-    ]  # fmt: skip
+    assert sorted(p.name for p in sweep.iterdir()) == sorted(
+        [*map(str, expected), "jobs.csv", "mlflow_parent_run.json", "multirun.yaml"]
+    )
     assert [p.name for p in (tmp_path / "outputs" / "train").iterdir()] == ["multiruns"], (
         "no rank ran a job or sweep of its own elsewhere"
     )
     runs = runs_by_job(tmp_path / "mlflow.db")
-    expected = {0: ("1", "0.01"), 1: ("1", "0.02"), 2: ("2", "0.01"), 3: ("2", "0.02")}
     assert {
         job: (r.data.params["world_size"], r.data.params["model.lr"]) for job, r in runs.items()
     } == expected
@@ -116,9 +120,10 @@ def test_failed_sweep_job_is_reported_and_the_next_runs(tiny_root: Path, tmp_pat
 
 
 def test_optuna_search_trains_each_trial_on_every_rank(tiny_root: Path, tmp_path: Path) -> None:
+    """docs/sweeps.md's Optuna search of DDP jobs, as written (2 trials)."""
+    args = page_arguments("test_optuna_search_trains_each_trial_on_every_rank")
     run_entry(
-        "train", "-m", "hparams_search=convnet_optuna", *sweep_overrides(tiny_root),
-        "strategy=ddp", "devices=2", "hydra.sweeper.n_trials=2", cwd=tmp_path,
+        "train", *args, *sweep_overrides(tiny_root), "hydra.sweeper.n_trials=2", cwd=tmp_path
     )  # fmt: skip
     (sweep,) = sweep_folders(tmp_path)
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"  # the default: optuna.db in the launch folder
@@ -134,7 +139,8 @@ def test_optuna_search_trains_each_trial_on_every_rank(tiny_root: Path, tmp_path
     result = OmegaConf.load(sweep / "optimization_results.yaml")
     best = max(run.data.metrics["val/acc_best"] for run in runs.values())
     assert result.best_value == pytest.approx(best)
-    study = optuna.load_study(study_name="convnet-mnist", storage=storage)
+    (study_name,) = [a.split("=", 1)[1] for a in args if a.startswith("hydra.sweeper.study_name=")]
+    study = optuna.load_study(study_name=study_name, storage=storage)
     assert len(study.trials) == 2 and study.best_value == pytest.approx(best)
 
 
