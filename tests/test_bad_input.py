@@ -4,17 +4,26 @@ behind: no output folder, no MLflow store or run, no checkpoint, no folder in ``
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from src.task.data.mnist import FILES
-from tests.conftest import N_TEST, N_TRAIN, run_entry, tiny_overrides
+from tests.conftest import N_TEST, N_TRAIN, PROJECT, run_entry, tiny_overrides
+from tests.forked_entry import ForkedEntry
 from tests.idx_data import make_dataset
 from tests.image_data import make_image_folder
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def forked() -> Iterator[ForkedEntry]:
+    entry = ForkedEntry(PROJECT)
+    yield entry
+    entry.close()
 
 
 def fails_before_any_work(
@@ -23,17 +32,15 @@ def fails_before_any_work(
     data_root: Path,
     env: dict[str, str] | None = None,
     base: list[str] | None = None,
+    forked: ForkedEntry | None = None,
 ) -> str:
-    """Run training with ``overrides`` (after ``base``, by default the tiny MNIST job's); return
-    its stderr after checking nothing was started."""
-    proc = run_entry(
-        "train",
-        *(tiny_overrides(data_root) if base is None else base),
-        *overrides,
-        cwd=workdir,
-        check=False,
-        env=env,
-    )
+    """Run training with ``overrides`` (after ``base``, by default the tiny MNIST job's), in a
+    fork of ``forked`` if given; return its stderr after checking nothing was started."""
+    args = [*(tiny_overrides(data_root) if base is None else base), *overrides]
+    if forked and env is None:
+        proc = forked.run("train", *args, cwd=workdir)
+    else:
+        proc = run_entry("train", *args, cwd=workdir, check=False, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
@@ -151,10 +158,13 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         "tag-the-template-sets",
     ],
 )
-def test_bad_setting(overrides: list[str], message: str, tiny_root: Path, tmp_path: Path) -> None:
+def test_bad_setting(
+    overrides: list[str], message: str, tiny_root: Path, tmp_path: Path, forked: ForkedEntry
+) -> None:
     if overrides in (["devices=[0,1]"], ["devices=-1"]) and torch.cuda.is_available():
         pytest.skip("GPU indices are valid on a machine with GPUs")
-    assert message in fails_before_any_work(tmp_path, *overrides, data_root=tiny_root)
+    stderr = fails_before_any_work(tmp_path, *overrides, data_root=tiny_root, forked=forked)
+    assert message in stderr
 
 
 # A proxy on a closed local port: every download fails at once, as on a machine offline.
@@ -170,10 +180,12 @@ def test_missing_data_offline_with_download_on(tiny_root: Path, tmp_path: Path) 
     assert not root.exists(), "a refused data.root gets no folders"
 
 
-def test_empty_data_root_with_download_off(tiny_root: Path, tmp_path: Path) -> None:
+def test_empty_data_root_with_download_off(
+    tiny_root: Path, tmp_path: Path, forked: ForkedEntry
+) -> None:
     root = tmp_path / "empty"
     root.mkdir()
-    stderr = fails_before_any_work(tmp_path, "data.download=false", data_root=root)
+    stderr = fails_before_any_work(tmp_path, "data.download=false", data_root=root, forked=forked)
     assert f"MNIST-format data not found in {root}/MNIST/raw" in stderr
     assert "or set data.download=true" in stderr
     assert list(root.iterdir()) == []
@@ -193,10 +205,12 @@ def test_data_error_names_only_the_missing_file(download: str, tmp_path: Path) -
     assert sorted(p.name for p in raw.iterdir()) == sorted(f"{name}.gz" for name in present)
 
 
-def test_more_gpus_than_the_machine_has(tiny_root: Path, tmp_path: Path) -> None:
+def test_more_gpus_than_the_machine_has(
+    tiny_root: Path, tmp_path: Path, forked: ForkedEntry
+) -> None:
     gpus = torch.cuda.device_count()
     stderr = fails_before_any_work(
-        tmp_path, "accelerator=gpu", f"devices={gpus + 1}", data_root=tiny_root
+        tmp_path, "accelerator=gpu", f"devices={gpus + 1}", data_root=tiny_root, forked=forked
     )
     if gpus == 0:
         assert "accelerator=gpu but no GPU is visible here" in stderr
@@ -217,21 +231,29 @@ def test_an_unreachable_tracking_server(tiny_root: Path, tmp_path: Path) -> None
     assert list(tmp_path.iterdir()) == [], "nothing is left behind"
 
 
-def test_a_file_that_is_not_a_checkpoint(tiny_root: Path, tmp_path: Path) -> None:
+def test_a_file_that_is_not_a_checkpoint(
+    tiny_root: Path, tmp_path: Path, forked: ForkedEntry
+) -> None:
     (tmp_path / "given").mkdir()
     (tmp_path / "given" / "notes.ckpt").write_text("my notes")
-    stderr = fails_before_any_work(tmp_path, "ckpt_path=given/notes.ckpt", data_root=tiny_root)
+    stderr = fails_before_any_work(
+        tmp_path, "ckpt_path=given/notes.ckpt", data_root=tiny_root, forked=forked
+    )
     assert "ckpt_path=given/notes.ckpt is not a readable checkpoint" in stderr
 
 
 def test_a_checkpoint_of_another_network(
-    trained: dict[str, Path], tiny_root: Path, tmp_path: Path
+    trained: dict[str, Path], tiny_root: Path, tmp_path: Path, forked: ForkedEntry
 ) -> None:
     given = tmp_path / "given"
     given.mkdir()
     shutil.copy(trained["run_dir"] / "checkpoints" / "last.ckpt", given)
     stderr = fails_before_any_work(
-        tmp_path, "ckpt_path=given/last.ckpt", "model.net.channels=[4,16]", data_root=tiny_root
+        tmp_path,
+        "ckpt_path=given/last.ckpt",
+        "model.net.channels=[4,16]",
+        data_root=tiny_root,
+        forked=forked,
     )
     assert (
         "last.ckpt does not fit this model: layer net.features.0.weight is (8, 1, 3, 3) in the "
@@ -240,9 +262,11 @@ def test_a_checkpoint_of_another_network(
     ) in stderr
 
 
-def test_an_output_folder_that_cannot_be_created(tiny_root: Path, tmp_path: Path) -> None:
+def test_an_output_folder_that_cannot_be_created(
+    tiny_root: Path, tmp_path: Path, forked: ForkedEntry
+) -> None:
     (tmp_path / "outputs").write_text("a file where the output folders should go")
-    stderr = fails_before_any_work(tmp_path, data_root=tiny_root)
+    stderr = fails_before_any_work(tmp_path, data_root=tiny_root, forked=forked)
     assert (
         f"output folder {tmp_path}/outputs/train/runs/" in stderr
         and f"cannot be created: {tmp_path}/outputs is a file" in stderr
@@ -250,12 +274,12 @@ def test_an_output_folder_that_cannot_be_created(tiny_root: Path, tmp_path: Path
     assert "paths.log_dir=" in stderr
 
 
-def test_a_truncated_dataset_file(tiny_root: Path, tmp_path: Path) -> None:
+def test_a_truncated_dataset_file(tiny_root: Path, tmp_path: Path, forked: ForkedEntry) -> None:
     root = tmp_path / "data"
     shutil.copytree(tiny_root, root)
     images = next((root / "MNIST" / "raw").glob("train-images*"))
     images.write_bytes(images.read_bytes()[:-100])
-    stderr = fails_before_any_work(tmp_path, data_root=root)
+    stderr = fails_before_any_work(tmp_path, data_root=root, forked=forked)
     assert f"{images}:" in stderr and "truncated" in stderr and "re-download" in stderr
 
 
@@ -294,11 +318,13 @@ def small_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ids=["val-size-default", "batch-size-default"],
 )
 def test_a_small_image_folder(
-    overrides: list[str], message: str, small_images: Path, tmp_path: Path
+    overrides: list[str], message: str, small_images: Path, tmp_path: Path, forked: ForkedEntry
 ) -> None:
     """README "Make it yours" step 1 as typed, on a folder smaller than the defaults expect:
     one line before the two ranks start (it was a traceback from each rank)."""
     as_typed = ["data=image_folder", f"data.root={small_images}", "model=resnet"]
     as_typed += ["strategy=ddp", "devices=2", "callbacks.progress_bar=none"]
-    stderr = fails_before_any_work(tmp_path, *overrides, data_root=small_images, base=as_typed)
+    stderr = fails_before_any_work(
+        tmp_path, *overrides, data_root=small_images, base=as_typed, forked=forked
+    )
     assert message in stderr
