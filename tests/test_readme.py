@@ -91,7 +91,7 @@ SKIPPED: dict[str, str] = {
 }
 
 # Page commands that another test runs as written (it takes them from the pages with
-# ``page_arguments``, adds tiny-data overrides) and checks more closely: run once, there.
+# ``page_command``, adds tiny-data overrides) and checks more closely: run once, there.
 RUN_ELSEWHERE: dict[str, str] = {
     r"^python -m src\.train -m strategy=ddp devices=1,2,4 ": "tests/test_sweeps.py::"
     "test_the_guides_ddp_sweep_runs_every_job_once_with_its_own_world",
@@ -552,11 +552,11 @@ def shown(pattern: str) -> ReadmeCommand:
     return found[0]
 
 
-def page_arguments(test: str) -> list[str]:
-    """What the page command that ``test`` (a function name in ``RUN_ELSEWHERE``) runs gives
-    its entry point."""
+def page_command(test: str) -> list[str]:
+    """The tokens of the page command that ``test`` (a function name in ``RUN_ELSEWHERE``)
+    runs (``arguments`` and ``override`` read them)."""
     (pattern,) = [p for p, t in RUN_ELSEWHERE.items() if t.endswith(f"::{test}")]
-    return arguments(list(shown(pattern).tokens))
+    return list(shown(pattern).tokens)
 
 
 def run_mlflow_ui(command: ReadmeCommand, workdir: Path, request: pytest.FixtureRequest) -> None:

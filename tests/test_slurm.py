@@ -24,7 +24,7 @@ from tests.conftest import (
     tiny_overrides,
     wait_for_file,
 )
-from tests.test_readme import page_arguments
+from tests.test_readme import arguments, page_command
 
 SBATCH = PROJECT / "slurm" / "train.sbatch"
 EVAL_SBATCH = PROJECT / "slurm" / "eval.sbatch"
@@ -218,9 +218,9 @@ def test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks(
 ) -> None:
     # The command of README and docs/clusters.md as written, on a fresh store; both jobs start
     # together on the 4-CPU node.
-    args = page_arguments("test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks")
+    command = page_command("test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks")
     overrides = [o for o in tiny_overrides(tiny_root) if not o.startswith("model.lr=")]
-    proc = run_entry("train", *args, *overrides, "trainer.max_epochs=1", cwd=tmp_path)
+    proc = run_entry("train", *arguments(command), *overrides, "trainer.max_epochs=1", cwd=tmp_path)
     assert "Traceback" not in proc.stderr
     runs = mlflow_runs(tmp_path / "mlflow.db")
     parents = {r.data.tags["mlflow.parentRunId"] for r in runs}
@@ -241,7 +241,7 @@ def test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks(
 def test_optuna_trials_run_as_slurm_jobs(slurm_cluster: None, tiny_root: Path, tmp_path: Path):
     """docs/clusters.md's Optuna search on SLURM as written (2 trials)."""
     run_entry(
-        "train", *page_arguments("test_optuna_trials_run_as_slurm_jobs"),
+        "train", *arguments(page_command("test_optuna_trials_run_as_slurm_jobs")),
         *tiny_overrides(tiny_root), "trainer.max_epochs=1", "hydra.sweeper.n_trials=2",
         cwd=tmp_path,
     )  # fmt: skip

@@ -30,7 +30,7 @@ from tests.conftest import (
     run_entry,
     tiny_overrides,
 )
-from tests.test_readme import page_arguments
+from tests.test_readme import arguments, override, page_command, split_top_level
 from tests.test_resume import SIGNAL_AT_STEP
 from tests.test_train import assert_same_tensors
 
@@ -71,10 +71,9 @@ def test_the_guides_ddp_sweep_runs_every_job_once_with_its_own_world(
     tiny_root: Path, tmp_path: Path
 ) -> None:
     """The README's DDP sweep as written: devices x learning rates, each job its own world."""
-    args = page_arguments("test_the_guides_ddp_sweep_runs_every_job_once_with_its_own_world")
-    run_entry("train", *args, *sweep_overrides(tiny_root), cwd=tmp_path)
-    values = dict(arg.split("=", 1) for arg in args if "=" in arg)
-    worlds, lrs = values["devices"].split(","), values["model.lr"].split(",")
+    command = page_command("test_the_guides_ddp_sweep_runs_every_job_once_with_its_own_world")
+    run_entry("train", *arguments(command), *sweep_overrides(tiny_root), cwd=tmp_path)
+    worlds, lrs = (split_top_level(override(command, key)) for key in ("devices", "model.lr"))
     expected = dict(enumerate(itertools.product(worlds, lrs)))
     (sweep,) = sweep_folders(tmp_path)
     assert sorted(p.name for p in sweep.iterdir()) == sorted(
@@ -121,9 +120,10 @@ def test_failed_sweep_job_is_reported_and_the_next_runs(tiny_root: Path, tmp_pat
 
 def test_optuna_search_trains_each_trial_on_every_rank(tiny_root: Path, tmp_path: Path) -> None:
     """docs/sweeps.md's Optuna search of DDP jobs, as written (2 trials)."""
-    args = page_arguments("test_optuna_search_trains_each_trial_on_every_rank")
+    command = page_command("test_optuna_search_trains_each_trial_on_every_rank")
     run_entry(
-        "train", *args, *sweep_overrides(tiny_root), "hydra.sweeper.n_trials=2", cwd=tmp_path
+        "train", *arguments(command), *sweep_overrides(tiny_root), "hydra.sweeper.n_trials=2",
+        cwd=tmp_path,
     )  # fmt: skip
     (sweep,) = sweep_folders(tmp_path)
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"  # the default: optuna.db in the launch folder
@@ -139,7 +139,7 @@ def test_optuna_search_trains_each_trial_on_every_rank(tiny_root: Path, tmp_path
     result = OmegaConf.load(sweep / "optimization_results.yaml")
     best = max(run.data.metrics["val/acc_best"] for run in runs.values())
     assert result.best_value == pytest.approx(best)
-    (study_name,) = [a.split("=", 1)[1] for a in args if a.startswith("hydra.sweeper.study_name=")]
+    study_name = override(command, "hydra.sweeper.study_name")
     study = optuna.load_study(study_name=study_name, storage=storage)
     assert len(study.trials) == 2 and study.best_value == pytest.approx(best)
 
