@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from src.task.data.images import Normalize
 from src.task.data.mnist import DATASETS, FILES, MNISTDataModule, download, load_split, read_idx
-from src.template.data import Batch, DataError, TensorSplit, keep_batch
+from src.template.data import Batch, DataError, TensorSplit, drop_rows, keep_batch
 from tests.conftest import PROJECT
 from tests.idx_data import idx_bytes, make_dataset, write_idx
 from tests.real_data import DATA_DIR_ENV, real_data_dir
@@ -235,6 +235,25 @@ def test_setup_splits_are_deterministic_permutations(tmp_path: Path) -> None:
     other.setup("fit")
     assert not torch.equal(other.val_set.indices, dm.val_set.indices)
     assert dm.num_classes == 10 and dm.classes[3] == "3"
+
+
+def test_the_training_split_keeps_the_read_pixels_in_place(tmp_path: Path) -> None:
+    """The carve-out takes no second copy of the training pixels: what read() returned, its
+    validation rows dropped, is the training split (peak memory 1x the pixels, not 2x)."""
+    make_dataset(tmp_path)
+    dm = make_module(tmp_path)
+    read = dm.read
+    returned = []
+    dm.read = lambda split: returned.append(read(split)) or returned[-1]  # type: ignore[method-assign]
+    original = read("train")[0]
+    dm.setup("fit")
+    pixels = returned[0][0]
+    assert dm.train_set.inputs.untyped_storage().data_ptr() == pixels.untyped_storage().data_ptr()
+    assert torch.equal(dm.train_set.inputs, original[dm.train_set.indices])
+    assert torch.equal(dm.val_set.inputs, original[dm.val_set.indices])
+    rows = torch.arange(1000).view(100, 10)
+    kept = torch.randperm(100, generator=torch.Generator().manual_seed(0))[:63].sort().values
+    assert torch.equal(drop_rows(rows.clone(), kept, chunk=7), rows[kept])
 
 
 def test_loader_batches_are_normalised(tmp_path: Path) -> None:

@@ -91,19 +91,29 @@ def fitting_batch(samples: int) -> int:
 
 def carve_validation(n: int, hparams: Any) -> tuple[Tensor, Tensor]:
     """(validation, training) indices: the first ``val_size`` of a ``split_seed`` permutation,
-    or with ``folds=K``, fold ``fold`` of K equal parts (a sweep over ``data.fold``). Validation
-    is in index order, the order a sharded copy stores it in, so both sum its batches alike."""
+    or with ``folds=K``, fold ``fold`` of K equal parts (a sweep over ``data.fold``). Both are
+    in index order, the order a sharded copy stores them in (so both sum batches alike), and
+    training keeps the read rows in place (:func:`drop_rows`)."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(hparams.split_seed))
     folds, fold = hparams.get("folds"), hparams.get("fold") or 0
     if not folds:
-        return perm[: hparams.val_size].sort().values, perm[hparams.val_size :]
+        return perm[: hparams.val_size].sort().values, perm[hparams.val_size :].sort().values
     if not 2 <= folds <= n or not 0 <= fold < folds:
         raise DataError(
             f"data.folds={folds} data.fold={fold}: use 2 <= folds <= {n} and 0 <= fold < folds, "
             "e.g. data.folds=5 data.fold=0,1,2,3,4 (a sweep)"
         )
     start, end = n * fold // folds, n * (fold + 1) // folds
-    return perm[start:end].sort().values, torch.cat([perm[:start], perm[end:]])
+    return perm[start:end].sort().values, torch.cat([perm[:start], perm[end:]]).sort().values
+
+
+def drop_rows(rows: Tensor, kept: Tensor, chunk: int = 4096) -> Tensor:
+    """``rows[kept]`` (``kept`` ascending) written over ``rows`` itself, a chunk at a time: the
+    training split takes no second copy of what was read (peak memory 1x its pixels, not 2x)."""
+    for start in range(0, len(kept), chunk):
+        part = kept[start : start + chunk]
+        rows[start : start + len(part)] = rows[part]  # never past a row still to be read
+    return rows[: len(kept)]
 
 
 class TensorDataModule(LightningDataModule):
@@ -125,8 +135,9 @@ class TensorDataModule(LightningDataModule):
         self._on_device: dict[int, TensorSplit] = {}  # data.device_resident: id(split) -> copy
 
     def read(self, split: str) -> tuple[Tensor, Tensor]:
-        """The official ``"train"`` or ``"test"`` split as (inputs, targets), one row a sample;
-        a :class:`DataError` naming the file for anything missing or malformed."""
+        """The official ``"train"`` or ``"test"`` split as (inputs, targets), one row a sample,
+        tensors of its own (the carve-out reuses their memory); a :class:`DataError` naming the
+        file for anything missing or malformed."""
         raise NotImplementedError
 
     def check(self, split: str, inputs: Tensor, targets: Tensor) -> None:
@@ -195,7 +206,8 @@ class TensorDataModule(LightningDataModule):
         val_idx, train_idx = carve_validation(n, self.hparams)
         transform = self.transform()
         self.val_set = TensorSplit(inputs[val_idx], targets[val_idx], val_idx, transform)
-        self.train_set = TensorSplit(inputs[train_idx], targets[train_idx], train_idx, transform)
+        inputs = drop_rows(inputs, train_idx)  # what read() returned is the split's now
+        self.train_set = TensorSplit(inputs, targets[train_idx], train_idx, transform)
 
     def _load_test(self) -> None:
         if self.test_set is None:
