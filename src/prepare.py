@@ -2,7 +2,8 @@
 
 Any dataset of the data contract (IDX files, image folders) is read as the training job reads it
 and written with LitData's ``optimize()`` into ``DIR/train`` and ``DIR/test``: one sample per
-image, ``{"index": position in the official split, "label": int, "image": PNG or JPEG bytes}``,
+image, ``{"index": position in the official split, "label": int, "image": PNG or JPEG bytes}``
+(an image file's own bytes: training decodes it at its own size and crops or resizes it),
 in index order, on every core, with LitData's progress bar. ``DIR/manifest.json`` says what
 the shards hold: dataset, classes, image shape, mean/std, counts and a content digest per split;
 ``DIR/<split>_labels.npy`` their labels.
@@ -39,12 +40,15 @@ SCAN_CHUNK = 4096  # images decoded at once to check, digest and count a split
 
 class Encoder:
     """Sample ``i`` of one split as ``{"index", "label", "image"}`` (runs in LitData's workers,
-    forked: what ``image_at`` reads from is shared, not copied)."""
+    forked: what ``image_at`` reads from is shared, not copied). An image file is stored as it
+    is (``image_at.original``): training decodes it at its own size and crops or resizes it."""
 
     def __init__(self, image_at: Callable, labels: np.ndarray, fmt: str, quality: int) -> None:
         self.image_at, self.labels, self.fmt, self.quality = image_at, labels, fmt, quality
 
     def __call__(self, i: int) -> dict[str, Any]:
+        if original := getattr(self.image_at, "original", None):
+            return {"index": int(i), "label": int(self.labels[i]), "image": original(i)}
         pixels = self.image_at(i)
         image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
         buffer = io.BytesIO()

@@ -41,6 +41,7 @@ def test_litdatas_internals_that_data_shards_uses_for_remote_reads() -> None:
     from litdata import StreamingDataset
     from litdata.streaming import downloader
     from litdata.utilities.env import _WorkerEnv
+    from litdata.utilities.format import _convert_bytes_to_int
 
     assert isinstance(downloader._OBSTORE_CLIENT_OPTIONS, dict), "allow_http is set there"
     assert callable(_WorkerEnv.detect)
@@ -48,3 +49,4 @@ def test_litdatas_internals_that_data_shards_uses_for_remote_reads() -> None:
         "self", "worker_env",
     ]  # fmt: skip
     assert "self.on_demand_bytes" in inspect.getsource(StreamingDataset)
+    assert _convert_bytes_to_int("10GB") == 10**10 and _convert_bytes_to_int("1.5MB") == 1_500_000

@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader
 from src.task.data.augment import AugmentedSplit, EpochTaggedSampler, check_augment
 from src.task.data.mnist import DATASETS, MNISTDataModule, load_split
 from src.task.data.partitions import PartitionedBatchSampler, partition_rows
-from src.task.data.shards import ShardDataModule, eval_rows
+from src.task.data.shards import ShardDataModule, eval_rows, training_bytes
 from src.template.data import DataError, TensorSplit, keep_batch
 from tests.conftest import (
     N_TEST,
@@ -96,12 +97,17 @@ def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
     tmp_path: Path,
 ) -> None:
     """The files are read a chunk at a time (never the split at once), yet the digest and
-    statistics are those of the whole split, and the shards decode to its pixels."""
+    statistics are those of the whole split, and the shards decode to its pixels. Each file is
+    stored as it is: augmentation crops it at its own size; without, it is resized as in memory."""
     from src.prepare import scan
+    from src.task.data.augment import augment_one, sample_generator
     from src.task.data.image_folder import ImageFolderDataModule
     from src.task.data.images import channel_statistics
 
     images, out = make_image_folder(tmp_path / "images", 9, 3, size=(40, 36)), tmp_path / "out"
+    odd = sorted((images / "train").rglob("*.png"))[::4]  # other sizes, other aspect ratios
+    for k, path in enumerate(odd):
+        Image.open(path).resize((20 + 9 * k, 60 - 3 * k)).save(path)
     run_entry("prepare", "data=image_folder", f"data.root={images}", "data.image_size=[32,32]",
               "data.val_size=5", f"out={out}", "hydra.run.dir=prepare", cwd=tmp_path)  # fmt: skip
     source = ImageFolderDataModule("image_folder", str(images), [32, 32], 3, 8, val_size=5)
@@ -117,6 +123,21 @@ def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
         assert (
             TensorSplit(*shards.read(split)).digest() == TensorSplit(*source.read(split)).digest()
         )
+    files, _ = source.sample_source("train")[1].files, None
+    shards.setup("fit")
+    settings = check_augment({"crop_scale": [0.5, 1.0], "flip": True})
+    augmented = AugmentedSplit(shards.train_set, settings, 7, shards.mean, shards.std, (3, 32, 32))
+    rows = list(range(len(shards.train_set)))
+    batch = augmented.__getitems__([(2, row) for row in rows])
+    assert batch.inputs.shape == (len(rows), 3, 32, 32)
+    mean, std = (torch.tensor(v).view(3, 1, 1) for v in (shards.mean, shards.std))
+    for row, index in enumerate(batch.indices.tolist()):
+        with Image.open(files[index]) as file:
+            own = torch.from_numpy(np.asarray(file.convert("RGB"))).permute(2, 0, 1)
+        assert shards.train_set.originals([row])[0].shape == own.shape  # not squashed
+        expected = augment_one(own.float() / 255, settings, sample_generator(7, 2, index), (32, 32))
+        assert torch.allclose(batch.inputs[row], (expected - mean) / std, atol=1e-5)
+    assert any(Path(files[i]) in odd for i in batch.indices.tolist())
 
 
 def test_an_interrupted_conversion_continues_where_it_stopped(tmp_path: Path) -> None:
@@ -235,7 +256,7 @@ def test_augmented_shards_resumed_mid_epoch_with_workers_equal_the_uninterrupted
 def augmented_batches(split: TensorSplit, world: int, workers: int, epoch: int) -> torch.Tensor:
     """The augmented samples of every global batch of ``epoch``, rank by rank concatenated."""
     settings = check_augment({"crop_scale": [0.5, 1.0], "flip": True, "jitter": 0.4})
-    data = AugmentedSplit(split, settings, seed=3, mean=[0.5], std=[0.25])
+    data = AugmentedSplit(split, settings, seed=3, mean=[0.5], std=[0.25], image_shape=(1, 28, 28))
     per_rank = []
     for rank in range(world):
         sampler = EpochTaggedSampler(split, world, rank, global_batch_size=8, seed=3)
@@ -306,6 +327,15 @@ def test_predict_classifies_a_folder_of_new_images(
 def chunk_of(manifest: dict, positions: list[int]) -> set[int]:
     ends = torch.tensor(manifest["chunks"]["train"]).cumsum(0)
     return set(torch.searchsorted(ends, torch.tensor(positions), right=True).tolist())
+
+
+def test_the_cache_must_hold_the_shards_a_rank_reads_in_an_epoch() -> None:
+    chunks = [{"chunk_size": 10, "chunk_bytes": 100 * (k + 1)} for k in range(8)]  # 3,600 B
+    assert training_bytes(chunks, world_size=4, rank=3, partitions=None) == 3600
+    # 4 partitions of 2 shards; rank r of 2 reads partitions 2r and 2r + 1.
+    assert training_bytes(chunks, world_size=2, rank=0, partitions=4) == 100 + 200 + 300 + 400
+    assert training_bytes(chunks, world_size=2, rank=1, partitions=4) == 500 + 600 + 700 + 800
+    assert training_bytes(chunks, world_size=4, rank=2, partitions=4) == 500 + 600
 
 
 def test_partitions_give_each_rank_its_own_shards_and_every_world_the_same_batches(
@@ -440,6 +470,12 @@ def test_shards_stream_from_s3_through_a_bounded_cache(
     for got, expected in zip(*batches, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert list(cache.rglob("chunk-*.bin")), "shards were not cached"
+    # A cache too small for a rank's shards (read in random order: a shard per sample) is
+    # refused in one line, before any download.
+    small = ShardDataModule("shards", root, batch_size=32, val_size=VAL_SIZE, max_cache_size="50KB")
+    small.setup("fit")
+    with pytest.raises(DataError, match=r"data.max_cache_size=50KB cannot hold the .* set data"):
+        small.train_dataloader()
     # A real training job reading the bucket, with the bounded cache.
     args = [*shard_overrides(tiny_root, shards), "trainer.max_epochs=1", "logger=none"]
     args = [a for a in args if not a.startswith("data.root")] + [f"data.root={root}"]

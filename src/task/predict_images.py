@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from src.task.data.image_folder import EXTENSIONS, MODES, decode
+from src.task.data.image_folder import EXTENSIONS, decode
 from src.task.data.images import Normalize
 from src.template.checkpoint import model_from_checkpoint, read_checkpoint
 from src.template.data import DataError
@@ -58,7 +58,7 @@ def predict_images(
         writer.writerow(["path", "predicted", "class_name", "confidence"])
         for start in range(0, len(paths), batch_size):
             chunk = paths[start : start + batch_size]
-            pixels = [decode(p, MODES[channels], (height, width)) for p in chunk]
+            pixels = [decode(p, channels, (height, width)) for p in chunk]
             images = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2)
             confidence, predicted = model(normalize(images)).softmax(dim=1).max(dim=1)
             for path, label, p in zip(chunk, predicted.tolist(), confidence.tolist(), strict=True):

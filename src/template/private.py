@@ -8,7 +8,8 @@ pinned by ``tests/test_private.py``: an upgrade that changes one fails there, lo
   (``collect_metrics()``, ``aggregate_metrics()``, ``monitors``, ``clear_metrics()``).
 * LitData, for ``s3://`` shards (``src/task/data/shards.py``): ``_OBSTORE_CLIENT_OPTIONS`` of
   ``downloader`` (``http://``), ``StreamingDataset._create_cache(worker_env=_WorkerEnv.detect())``
-  and ``on_demand_bytes = False`` (whole shards into the cache, not a request per sample).
+  and ``on_demand_bytes = False`` (whole shards into the cache, not a request per sample);
+  ``litdata.utilities.format._convert_bytes_to_int`` (``data.max_cache_size`` as LitData reads it).
 """
 
 from lightning.fabric.utilities.distributed import (

@@ -6,7 +6,6 @@ the loader ``(epoch, position)`` pairs, so the augmented batch is the same for a
 devices or loader workers, and a resumed job draws what the uninterrupted one drew.
 """
 
-import copy
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -54,13 +53,18 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(state))
 
 
-def augment_one(image: Tensor, settings: dict[str, Any], generator: torch.Generator) -> Tensor:
-    """One float image ``[C, H, W]`` of ``[0, 1]`` pixels, augmented with ``generator``."""
+def augment_one(
+    image: Tensor, settings: dict[str, Any], generator: torch.Generator, size: Sequence[int]
+) -> Tensor:
+    """One float image ``[C, h, w]`` of ``[0, 1]`` pixels (any size: an image file's own),
+    augmented with ``generator``, as ``[C, H, W]`` of ``size``: the crop is taken from the image
+    as stored, then resized."""
 
     def uniform(low: float, high: float) -> float:
         return low + (high - low) * float(torch.rand((), generator=generator))
 
     channels, height, width = image.shape
+    top, left, h, w = 0, 0, height, width
     scale = settings.get("crop_scale")
     if scale is not None:
         ratio = settings.get("crop_ratio") or (3 / 4, 4 / 3)
@@ -70,8 +74,11 @@ def augment_one(image: Tensor, settings: dict[str, Any], generator: torch.Genera
         w = min(width, max(1, round(math.sqrt(area * aspect))))
         top = int(torch.randint(0, height - h + 1, (), generator=generator))
         left = int(torch.randint(0, width - w + 1, (), generator=generator))
+    if scale is not None or (height, width) != tuple(size):
         crop = image[None, :, top : top + h, left : left + w]
-        image = F.interpolate(crop, size=(height, width), mode="bilinear", align_corners=False)[0]
+        image = F.interpolate(
+            crop, size=tuple(size), mode="bilinear", align_corners=False, antialias=True
+        )[0]
     if settings.get("flip") and float(torch.rand((), generator=generator)) < 0.5:
         image = image.flip(-1)
     jitter = float(settings.get("jitter") or 0)
@@ -89,9 +96,9 @@ def augment_one(image: Tensor, settings: dict[str, Any], generator: torch.Genera
 
 class AugmentedSplit(Dataset):
     """A training split whose batches are augmented per sample; takes ``(epoch, position)``
-    pairs from :class:`EpochTaggedSampler`. Reads the split's stored ``uint8`` pixels (a copy
-    of it without its ``transform``), augments each image on ``[0, 1]`` pixels and normalises
-    it once."""
+    pairs from :class:`EpochTaggedSampler`. Reads the split's stored ``uint8`` pixels (shards:
+    each image at its own size), augments each on ``[0, 1]`` pixels to ``image_shape`` and
+    normalises it once."""
 
     def __init__(
         self,
@@ -100,22 +107,31 @@ class AugmentedSplit(Dataset):
         seed: int,
         mean: Sequence[float],
         std: Sequence[float],
+        image_shape: Sequence[int],
     ) -> None:
-        self.split, self.settings, self.seed = copy.copy(split), settings, seed
-        self.split.transform = None  # type: ignore[attr-defined]
+        self.split, self.settings, self.seed = split, settings, seed
+        self.shape = tuple(image_shape)
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
 
     def __len__(self) -> int:
         return len(self.split)
 
+    def stored(self, rows: list[int]) -> Sequence[Tensor]:
+        """The rows' pixels before any transform: shards decode each at its own size."""
+        if hasattr(self.split, "originals"):
+            return self.split.originals(rows)
+        return self.split.inputs[torch.as_tensor(rows, dtype=torch.long)]
+
     def __getitems__(self, items: list[tuple[int, int]]) -> Batch:
-        batch = self.split.__getitems__([position for _, position in items])
-        augmented = torch.empty(batch.inputs.shape, dtype=torch.float32)
-        for row, ((epoch, _), index) in enumerate(zip(items, batch.indices, strict=True)):
-            pixels = batch.inputs[row].float().div_(255)
-            image = augment_one(
-                pixels, self.settings, sample_generator(self.seed, epoch, int(index))
-            )
+        rows = [position for _, position in items]
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        indices = self.split.indices[idx]
+        augmented = torch.empty((len(rows), *self.shape), dtype=torch.float32)
+        images = self.stored(rows)
+        for row, ((epoch, _), index) in enumerate(zip(items, indices.tolist(), strict=True)):
+            generator = sample_generator(self.seed, epoch, index)
+            pixels = images[row].float().div_(255)
+            image = augment_one(pixels, self.settings, generator, self.shape[1:])
             torch.sub(image, self.mean, out=augmented[row]).div_(self.std)
-        return Batch(augmented, batch.targets, batch.indices)
+        return Batch(augmented, self.split.targets[idx], indices)

@@ -7,15 +7,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import UnidentifiedImageError
 from torch import Tensor
 
 from src.task.data.augment import check_augment
-from src.task.data.images import ImageDataModule, channel_statistics, pixel_counts, read_images
+from src.task.data.images import (
+    MODES,
+    ImageDataModule,
+    channel_statistics,
+    decode_image,
+    pixel_counts,
+    read_images,
+)
 from src.template.data import DataError
 
 EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
-MODES = {1: "L", 3: "RGB"}
 
 
 def class_folders(split_dir: Path) -> list[Path]:
@@ -38,18 +44,10 @@ def image_files(folder: Path) -> list[Path]:
     return files
 
 
-def decode(path: Path, mode: str, size: tuple[int, int]) -> np.ndarray:
-    """One image as ``uint8 [H, W, C]`` in ``mode``, resized to ``size`` (H, W) if needed."""
+def decode(path: Path, channels: int, size: Sequence[int] | None) -> np.ndarray:
+    """:func:`decode_image`, a broken file named in one line."""
     try:
-        with Image.open(path) as image:
-            if image.mode.startswith("I"):  # 16- or 32-bit integers: scale, do not clip
-                image = Image.fromarray(
-                    (np.asarray(image, np.float64) / 257).clip(0, 255).astype(np.uint8)
-                )
-            image = image.convert(mode)
-            if image.size != (size[1], size[0]):
-                image = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
-            return np.asarray(image, dtype=np.uint8).reshape(size[0], size[1], -1)
+        return decode_image(path, channels, size)
     except (OSError, UnidentifiedImageError, ValueError) as error:
         raise DataError(f"{path}: not a readable image ({error}); remove or replace it") from error
 
@@ -66,13 +64,17 @@ def listing(split_dir: Path, classes: Sequence[str]) -> tuple[list[str], Tensor]
 
 
 class FileImages:
-    """Image ``i`` of a listing as ``uint8 [H, W, C]``, decoded on demand (picklable)."""
+    """Image ``i`` of a listing as ``uint8 [H, W, C]``, decoded on demand (picklable);
+    ``original(i)``: its file's bytes, which src.prepare stores as they are (own size)."""
 
     def __init__(self, files: list[str], channels: int, size: tuple[int, int]) -> None:
-        self.files, self.mode, self.size = files, MODES[channels], size
+        self.files, self.channels, self.size = files, channels, size
 
     def __call__(self, i: int) -> np.ndarray:
-        return decode(Path(self.files[i]), self.mode, self.size)
+        return decode(Path(self.files[i]), self.channels, self.size)
+
+    def original(self, i: int) -> bytes:
+        return Path(self.files[i]).read_bytes()
 
 
 def read_folder(

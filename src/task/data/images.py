@@ -5,16 +5,37 @@ the per-channel normalisation that turns stored ``uint8`` pixels into model inpu
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from src.task.data.augment import AugmentedSplit, EpochTaggedSampler, check_augment
 from src.template.data import DataError, TensorDataModule
 from src.template.resume import resume_position
+
+MODES = {1: "L", 3: "RGB"}
+
+
+def decode_image(
+    file: str | Path | IO[bytes], channels: int, size: Sequence[int] | None = None
+) -> np.ndarray:
+    """An image file as ``uint8 [H, W, C]``, at its own size or resized to ``size`` (H, W):
+    the one decoding of every path (in memory, shards, predict), so all see the same pixels."""
+    with Image.open(file) as image:
+        if image.mode.startswith("I"):  # 16- or 32-bit integers: scale, do not clip
+            image = Image.fromarray(
+                (np.asarray(image, np.float64) / 257).clip(0, 255).astype(np.uint8)
+            )
+        image = image.convert(MODES[channels])
+        if size is not None and image.size != (size[1], size[0]):
+            image = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
+        pixels = np.array(image, dtype=np.uint8)  # writable: torch takes it as it is
+    return pixels.reshape(pixels.shape[0], pixels.shape[1], -1)
 
 
 class Normalize(nn.Module):
@@ -117,7 +138,9 @@ class ImageDataModule(TensorDataModule):
         seed = self.hparams.shuffle_seed
         sampler = EpochTaggedSampler(self.train_set, *self._world(), self.hparams.batch_size, seed)
         sampler.resume_at(*resume_position(self.trainer))  # before any worker fetches
-        augmented = AugmentedSplit(self.train_set, settings, seed, self.mean, self.std)
+        augmented = AugmentedSplit(
+            self.train_set, settings, seed, self.mean, self.std, self.image_shape
+        )
         return self._loader(augmented, sampler)
 
     def state_dict(self) -> dict[str, Any]:

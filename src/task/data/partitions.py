@@ -20,6 +20,14 @@ from src.template.data import DataError
 from src.template.resume import GlobalBatchSampler
 
 
+def chunk_groups(chunk_sizes: Sequence[int], count: int) -> Tensor:
+    """The partition of each shard (sample counts ``chunk_sizes``): ``count`` runs of whole
+    shards of about equal sample counts."""
+    sizes = torch.tensor(chunk_sizes, dtype=torch.long)
+    ends = sizes.cumsum(0)
+    return (ends - sizes) * count // int(ends[-1])
+
+
 def partition_rows(chunk_sizes: Sequence[int], count: int, indices: Tensor) -> list[Tensor]:
     """The rows of a split (``indices``: their positions in the shards) in each of ``count``
     groups of contiguous whole shards, of about equal sample counts."""
@@ -28,12 +36,10 @@ def partition_rows(chunk_sizes: Sequence[int], count: int, indices: Tensor) -> l
             f"data.partitions={count} must be between 1 and the {len(chunk_sizes)} shards of "
             "the training split (src.prepare chunk_bytes=... writes smaller shards)"
         )
-    sizes = torch.tensor(chunk_sizes, dtype=torch.long)
-    ends = sizes.cumsum(0)
-    group_of_chunk = (ends - sizes) * count // int(ends[-1])
+    group_of_chunk = chunk_groups(chunk_sizes, count)
     if len(set(group_of_chunk.tolist())) != count:
         raise DataError(f"data.partitions={count}: the shards do not split into that many groups")
-    chunk_of_row = torch.searchsorted(ends, indices, right=True)
+    chunk_of_row = torch.searchsorted(torch.tensor(chunk_sizes).cumsum(0), indices, right=True)
     group_of_row = group_of_chunk[chunk_of_row]
     return [(group_of_row == group).nonzero().flatten() for group in range(count)]
 

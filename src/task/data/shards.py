@@ -11,30 +11,20 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from src.task.data.augment import AugmentedSplit, check_augment
-from src.task.data.images import ImageDataModule
-from src.task.data.partitions import PartitionedBatchSampler, partition_rows
+from src.task.data.images import ImageDataModule, decode_image
+from src.task.data.partitions import PartitionedBatchSampler, chunk_groups, partition_rows
 from src.template.data import Batch, DataError, carve_validation
 from src.template.resume import resume_position
-
-MODES = {1: "L", 3: "RGB"}
-
-
-def decode(data: bytes, channels: int) -> np.ndarray:
-    """PNG/JPEG bytes -> ``uint8 [C, H, W]``."""
-    with Image.open(io.BytesIO(data)) as image:
-        pixels = np.asarray(image.convert(MODES[channels]), dtype=np.uint8)
-    return pixels.reshape(pixels.shape[0], pixels.shape[1], -1).transpose(2, 0, 1)
 
 
 def litdata() -> Any:
@@ -66,6 +56,17 @@ def eval_rows(positions: Tensor, world_size: int, rank: int) -> list[int]:
     return order[rank * len(order) // world_size : (rank + 1) * len(order) // world_size].tolist()
 
 
+def training_bytes(chunks: list[dict], world_size: int, rank: int, partitions: int | None) -> int:
+    """Bytes of the training shards (``index.json``'s ``chunks``) that ``rank`` reads in an
+    epoch: every shard, or with ``data.partitions`` its partitions' shards."""
+    sizes = [chunk["chunk_bytes"] for chunk in chunks]
+    if not partitions:
+        return sum(sizes)
+    groups = chunk_groups([chunk["chunk_size"] for chunk in chunks], partitions).tolist()
+    share = partitions // world_size
+    return sum(size for size, group in zip(sizes, groups, strict=True) if group // share == rank)
+
+
 class ShardRunSampler(DistributedSampler):
     """:func:`eval_rows` of this rank (a ``DistributedSampler``, so Lightning keeps it)."""
 
@@ -87,13 +88,13 @@ class ShardSplit(Dataset):
         folder: str,
         positions: Tensor,
         labels: Tensor,
-        channels: int,
+        image_shape: tuple[int, int, int],
         transform: nn.Module | None,
         digest: str,
         max_cache_size: str,
         cache_dir: str | None = None,
     ) -> None:
-        self.folder, self.channels, self.transform = folder, channels, transform
+        self.folder, self.image_shape, self.transform = folder, image_shape, transform
         self.cache_dir = cache_dir
         self.indices, self.targets = positions, labels[positions]
         self.max_cache_size = max_cache_size
@@ -125,14 +126,19 @@ class ShardSplit(Dataset):
                 self._data.on_demand_bytes = False
         return self._data
 
+    def originals(self, rows: list[int], size: Sequence[int] | None = None) -> list[Tensor]:
+        """``uint8 [C, H, W]`` of the samples at ``rows``, each at its stored size (an image
+        file's own) or resized to ``size`` (H, W) as every data path resizes."""
+        data, channels = self.data(), self.image_shape[0]
+        decoded = (
+            decode_image(io.BytesIO(data[int(self.indices[row])]["image"]), channels, size)
+            for row in rows
+        )
+        return [torch.from_numpy(pixels).permute(2, 0, 1) for pixels in decoded]
+
     def raw(self, rows: list[int]) -> Tensor:
-        """``uint8 [B, C, H, W]`` of the samples at ``rows`` of this split."""
-        data = self.data()
-        images = []
-        for row in rows:
-            sample = data[int(self.indices[row])]
-            images.append(decode(sample["image"], self.channels))
-        return torch.from_numpy(np.stack(images))
+        """``uint8 [B, C, H, W]`` of the samples at ``rows``, at the trained image size."""
+        return torch.stack(self.originals(rows, self.image_shape[1:]))
 
     @property
     def inputs(self) -> "LazyImages":
@@ -243,7 +249,7 @@ class ShardDataModule(ImageDataModule):
             f"{self.root}/{split}",
             positions,
             labels,
-            self.image_shape[0],
+            self.image_shape,
             self.transform(),
             self.manifest["identity"]["digests"][split],
             self.hparams.max_cache_size,
@@ -270,11 +276,31 @@ class ShardDataModule(ImageDataModule):
         self.val_set = self._split("train", val_idx, labels)
         self.train_set = self._split("train", train_idx, labels)
 
+    def check_cache(self, count: int | None) -> None:
+        """Remote shards are read in a random order, so LitData's cache must hold all the shards
+        a rank reads in an epoch: a smaller one re-downloads a shard at nearly every sample
+        (measured: 100x slower, and reads of evicted files failed)."""
+        limit = self.hparams.max_cache_size
+        if "://" not in self.root or limit is None:
+            return
+        from litdata.utilities.format import _convert_bytes_to_int  # what LitData accepts
+
+        chunks = json.loads(self._remote_bytes("train/index.json"))["chunks"]
+        need = training_bytes(chunks, *self._world(), count)
+        if need > _convert_bytes_to_int(str(limit)):
+            fix = "" if count else ", or data.partitions=C (each of N ranks reads C/N of them)"
+            raise DataError(
+                f"data.max_cache_size={limit} cannot hold the {need / 1e6:,.1f} MB of training "
+                f"shards this rank reads each epoch in random order; set data.max_cache_size="
+                f"{-(-need // 1_000_000)}MB or more{fix}"
+            )
+
     def train_dataloader(self) -> DataLoader:
         """``data.partitions=C``: each rank reads only its partitions' shards
         (:mod:`src.task.data.partitions`); otherwise the project's global order."""
         count = self.hparams.get("partitions")
         if not count:
+            self.check_cache(None)
             return super().train_dataloader()
         if "chunks" not in self.manifest:
             raise DataError(f"{self.root}: convert again with src.prepare for data.partitions")
@@ -285,10 +311,11 @@ class ShardDataModule(ImageDataModule):
             self.train_set, *self._world(), self.hparams.batch_size, seed, parts,
             tag_epoch=settings is not None,
         )  # fmt: skip
+        self.check_cache(count)  # (once the sampler has checked the count)
         sampler.resume_at(*resume_position(self.trainer))  # before any worker fetches
         data = self.train_set
         if settings is not None:
-            data = AugmentedSplit(data, settings, seed, self.mean, self.std)
+            data = AugmentedSplit(data, settings, seed, self.mean, self.std, self.image_shape)
         return self._loader(data, sampler)
 
     def _eval_loader(self, dataset: ShardSplit) -> DataLoader:
