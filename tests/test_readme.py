@@ -34,7 +34,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import N_TEST, N_TRAIN, PROJECT, VAL_SIZE, mlflow_server, run_job
+from tests.conftest import (
+    N_TEST,
+    N_TRAIN,
+    PROJECT,
+    VAL_SIZE,
+    mlflow_server,
+    run_job,
+    wait_for_job,
+)
 from tests.idx_data import make_dataset
 from tests.image_data import make_image_folder
 
@@ -688,12 +696,7 @@ def run_sbatch(tokens: list[str], workdir: Path) -> tuple[str, str]:
     proc = run_command(tokens, workdir)
     check_log(proc)
     job = re.search(r"Submitted batch job (\d+)", proc.stdout).group(1)
-    deadline = time.monotonic() + SLURM_WAIT_S
-    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout:
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", job])
-            pytest.fail(f"job {job} still running after {SLURM_WAIT_S} s")
-        time.sleep(1)
+    wait_for_job(job, SLURM_WAIT_S)
     output = (workdir / f"slurm-{job}.out").read_text()
     state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
     assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state + output[-5000:]

@@ -23,6 +23,7 @@ from tests.conftest import (
     run_entry,
     tiny_overrides,
     wait_for_file,
+    wait_for_job,
 )
 from tests.test_readme import arguments, page_command
 
@@ -138,30 +139,6 @@ def test_a_dead_rank_ends_the_srun_job_within_seconds(
     assert "task 1: Killed" in output, output[-3000:]
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FAILED"
-
-
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
-
-
-def wait_for_job(job: str, timeout: float = 300) -> str:
-    """The states the job went through, up to its final one. A requeued job waits ~11 s (its
-    begin time; cred_expire in slurm/local-cluster.sh): starting it sooner by hand gets it
-    killed with "Job credential revoked" when that falls in the requeue's second."""
-    deadline = time.monotonic() + timeout
-    seen = []
-    while True:
-        info = subprocess.run(
-            ["scontrol", "show", "job", "-o", job], capture_output=True, text=True, check=True
-        ).stdout
-        state, reason, restarts = (
-            re.search(rf"{key}=(\S+)", info).group(1) for key in ("JobState", "Reason", "Restarts")
-        )
-        if not seen or seen[-1] != (state, reason, restarts):
-            seen.append((state, reason, restarts))
-        if state in FINAL_STATES:
-            return " -> ".join("/".join(s) for s in seen)
-        assert time.monotonic() < deadline, f"job {job} still {state} after {timeout} s: {seen}"
-        time.sleep(0.5)
 
 
 @pytest.mark.slow
