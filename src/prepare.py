@@ -12,6 +12,7 @@ Rerunning an interrupted conversion continues it (LitData's checkpoints); a fini
 kept. A folder that holds shards of other data is refused.
 """
 
+import contextlib
 import hashlib
 import io
 import json
@@ -91,7 +92,8 @@ def check_folder(out: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
             theirs = manifest["identity"]
             raise DataError(
                 f"{out} holds shards of other data ({theirs['dataset']}, digests "
-                f"{theirs['digests']}); choose another out= folder"
+                f"{theirs['digests']}: other files or data settings); choose another out= "
+                "folder, or delete this one to convert again"
             )
         return manifest
     if out.exists() and any(out.iterdir()):
@@ -104,16 +106,17 @@ def write_split(
 ) -> None:
     """One split as LitData shards in ``folder`` (continues an interrupted conversion)."""
     optimize = litdata().optimize
-    optimize(
-        fn=Encoder(image_at, labels.numpy(), cfg.format, cfg.jpeg_quality),
-        inputs=list(range(len(labels))),
-        output_dir=str(folder),
-        chunk_bytes=cfg.chunk_bytes,
-        num_workers=max(1, min(num_workers, len(labels))),
-        use_checkpoint=True,  # rerun = continue; implies keep_data_ordered: index order
-        start_method="fork",
-        reorder_files=False,
-    )
+    with open(os.devnull, "w") as chatter, contextlib.redirect_stdout(chatter):  # (workers too)
+        optimize(
+            fn=Encoder(image_at, labels.numpy(), cfg.format, cfg.jpeg_quality),
+            inputs=list(range(len(labels))),
+            output_dir=str(folder),
+            chunk_bytes=cfg.chunk_bytes,
+            num_workers=max(1, min(num_workers, len(labels))),
+            use_checkpoint=True,  # rerun = continue; implies keep_data_ordered: index order
+            start_method="fork",
+            reorder_files=False,
+        )
 
 
 def check_order(folder: Path) -> list[int]:
@@ -147,8 +150,9 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
     if datamodule.mean is None:  # statistics of the training pixels, as read("train") sets them
         datamodule.mean, datamodule.std = channel_statistics(scanned["train"][1])
     expected = identity(datamodule, digests)
+    files = any(hasattr(image_at, "original") for _, image_at in sources.values())
     manifest = check_folder(out, expected) or {
-        "format": cfg.format,
+        "format": "original files" if files else cfg.format,
         "identity": expected,
         "classes": list(datamodule.classes),
         "image_shape": list(datamodule.image_shape),
@@ -158,6 +162,7 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
         "val_size": datamodule.hparams.val_size,  # data=shards' default: the source's carve-out
         "complete": [],
     }
+    manifest["val_size"] = datamodule.hparams.val_size  # not what the shards hold: may change
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     workers = cfg.num_workers or os.cpu_count() or 1
@@ -167,7 +172,9 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
             continue
         # An interrupted split continues with the worker count it started with (LitData's
         # checkpoints are per worker).
-        started = manifest.setdefault("workers", {}).setdefault(name, workers)
+        if name in manifest.setdefault("workers", {}):
+            print(f"{out / name}: continuing the conversion that stopped")
+        started = manifest["workers"].setdefault(name, workers)
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
         write_split(image_at, labels, out / name, cfg, started)
         np.save(out / f"{name}_labels.npy", labels.numpy())  # for figures, no decoding
@@ -175,7 +182,7 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
         manifest["complete"].append(name)
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     counts = ", ".join(f"{n} {name}" for name, n in manifest["counts"].items())
-    print(f"Shards of {counts} images written to {out}; train with data=shards data.root={out}")
+    print(f"Shards of {counts} images are in {out}; train with data=shards data.root={out}")
     return out
 
 

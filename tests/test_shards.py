@@ -164,8 +164,11 @@ def test_an_interrupted_conversion_continues_where_it_stopped(tmp_path: Path) ->
     assert json.loads((out / "manifest.json").read_text())["complete"] == []
     with pytest.raises(DataError, match="did not finish; rerun"):
         ShardDataModule("shards", str(out), batch_size=8, val_size=10)
+    first = (out / "train" / "chunk-0-0.bin").stat().st_mtime_ns
     resumed = run_entry("prepare", *args, "hydra.run.dir=p2", cwd=tmp_path)
-    assert "Resuming from last saved checkpoint" in resumed.stdout + resumed.stderr
+    assert "train: continuing the conversion that stopped" in resumed.stdout
+    assert (out / "train" / "chunk-0-0.bin").stat().st_mtime_ns == first  # kept, not redone
+    assert "lightning.ai" not in resumed.stdout  # LitData's chatter
     dm = ShardDataModule("shards", str(out), batch_size=8, val_size=10)
     source = TensorSplit(*load_split(data, DATASETS["mnist"], train=True))
     assert TensorSplit(*dm.read("train")).digest() == source.digest()
@@ -470,6 +473,10 @@ def test_shards_stream_from_s3_through_a_bounded_cache(
     for got, expected in zip(*batches, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert list(cache.rglob("chunk-*.bin")), "shards were not cached"
+    # A prefix or bucket without shards: one line, as for a local folder.
+    for wrong in ("s3://data/elsewhere", "s3://no-such-bucket/tiny"):
+        with pytest.raises(DataError, match=rf"{wrong}/manifest.json: .*written by"):
+            ShardDataModule("shards", wrong, batch_size=32, val_size=VAL_SIZE)
     # A cache too small for a rank's shards (read in random order: a shard per sample) is
     # refused in one line, before any download.
     small = ShardDataModule("shards", root, batch_size=32, val_size=VAL_SIZE, max_cache_size="50KB")

@@ -10,6 +10,7 @@ open shards, not the dataset. Validation is carved from train as for every datas
 import hashlib
 import io
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,6 +27,21 @@ from src.task.data.partitions import PartitionedBatchSampler, chunk_groups, part
 from src.template.data import Batch, DataError, carve_validation
 from src.template.resume import resume_position
 
+# LitData's advice to use a 25 GB cache: check_cache says what this job needs instead.
+NOTICES = ("The provided `max_cache_size` is less than 25GB",)
+
+
+def not_a_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(NOTICES)
+
+
+def quiet_libraries() -> None:
+    """LitData's and botocore's INFO lines (cache sizes, prefetch widths, where credentials were
+    found) tell this project's user nothing; their warnings still show."""
+    for name in ("litdata", "botocore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("litdata.streaming.dataset").addFilter(not_a_notice)
+
 
 def litdata() -> Any:
     """The ``litdata`` module, or a one-line way to install it."""
@@ -36,6 +52,7 @@ def litdata() -> Any:
             "data=shards and src.prepare need LitData: "
             "pip install --no-deps -c constraints.txt litdata"
         ) from error
+    quiet_libraries()
     return litdata
 
 
@@ -231,10 +248,18 @@ class ShardDataModule(ImageDataModule):
     def _remote_bytes(self, name: str) -> bytes:
         """A small file beside the shards on S3 (``s3://bucket/prefix``)."""
         import boto3
+        from botocore.exceptions import BotoCoreError, ClientError
 
+        quiet_libraries()
         bucket, _, prefix = self.root.removeprefix("s3://").partition("/")
         key = f"{prefix.rstrip('/')}/{name}" if prefix else name
-        return boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+        try:
+            return boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+        except (BotoCoreError, ClientError) as error:
+            raise DataError(
+                f"s3://{bucket}/{key}: {error}. data.root must be a folder written by `python -m "
+                "src.prepare out=DIR`, reached with boto3's credentials and AWS_ENDPOINT_URL"
+            ) from error
 
     def _labels(self, split: str) -> Tensor:
         name = f"{split}_labels.npy"
@@ -288,7 +313,8 @@ class ShardDataModule(ImageDataModule):
         chunks = json.loads(self._remote_bytes("train/index.json"))["chunks"]
         need = training_bytes(chunks, *self._world(), count)
         if need > _convert_bytes_to_int(str(limit)):
-            fix = "" if count else ", or data.partitions=C (each of N ranks reads C/N of them)"
+            several = not count and self._world()[0] > 1
+            fix = ", or data.partitions=C (each of N ranks reads C/N of them)" if several else ""
             raise DataError(
                 f"data.max_cache_size={limit} cannot hold the {need / 1e6:,.1f} MB of training "
                 f"shards this rank reads each epoch in random order; set data.max_cache_size="
