@@ -34,7 +34,7 @@ def decode_image(
         image = image.convert(MODES[channels])
         if size is not None and image.size != (size[1], size[0]):
             image = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
-        pixels = np.array(image, dtype=np.uint8)  # writable: torch takes it as it is
+        pixels = np.asarray(image, dtype=np.uint8)  # read-only: callers copy it where it goes
     return pixels.reshape(pixels.shape[0], pixels.shape[1], -1)
 
 
@@ -53,13 +53,14 @@ class Normalize(nn.Module):
 def read_images(image_at: Callable[[int], np.ndarray], indices: Sequence[int]) -> Tensor:
     """Images ``indices`` (each ``uint8 [H, W, C]``) as ``uint8 [N, C, H, W]``, each decoded
     straight into its place, a range of them per thread (Pillow decodes without the GIL)."""
-    first = torch.from_numpy(image_at(indices[0]).copy()).permute(2, 0, 1)
+    first = image_at(indices[0]).transpose(2, 0, 1)
     images = torch.empty((len(indices), *first.shape), dtype=torch.uint8)
-    images[0] = first
+    into = images.numpy()  # a view: each image is copied once, from the decoder into place
+    into[0] = first
 
     def decode_range(start: int) -> None:  # not a future per image: millions would not fit
         for i in range(max(start, 1), min(start + 256, len(indices))):
-            images[i] = torch.from_numpy(image_at(indices[i]).copy()).permute(2, 0, 1)
+            into[i] = image_at(indices[i]).transpose(2, 0, 1)
 
     with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
         list(pool.map(decode_range, range(0, len(indices), 256)))

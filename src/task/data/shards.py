@@ -151,7 +151,7 @@ class ShardSplit(Dataset):
             decode_image(io.BytesIO(data[int(self.indices[row])]["image"]), channels, size)
             for row in rows
         )
-        return [torch.from_numpy(pixels).permute(2, 0, 1) for pixels in decoded]
+        return [torch.from_numpy(pixels.copy()).permute(2, 0, 1) for pixels in decoded]
 
     def raw(self, rows: list[int]) -> Tensor:
         """``uint8 [B, C, H, W]`` of the samples at ``rows``, at the trained image size."""
