@@ -65,15 +65,21 @@ def run_job(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
+        with suppress(psutil.NoSuchProcess):
+            root = psutil.Process(proc.pid)
+            for process in [*root.children(recursive=True), root]:  # one at a time: whole stacks
+                with suppress(psutil.NoSuchProcess):
+                    process.send_signal(signal.SIGABRT)
+                time.sleep(0.3)  # its dump is written (milliseconds) before the next begins
         try:
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
+        stacks = [line for line in err.splitlines() if not line.startswith("Extension modules:")]
         pytest.fail(
             f"{' '.join(map(str, command))} still running after {timeout:g} s; the stacks of "
-            f"its processes:\n{err[-30000:]}\n--- stdout ---\n{out[-3000:]}"
+            f"its processes:\n{chr(10).join(stacks)[-60000:]}\n--- stdout ---\n{out[-3000:]}"
         )
     finally:
         with suppress(ProcessLookupError):
