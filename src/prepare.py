@@ -159,10 +159,10 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
         "mean": list(datamodule.mean),
         "std": list(datamodule.std),
         "counts": {name: len(labels) for name, (labels, _) in sources.items()},
-        "val_size": datamodule.hparams.val_size,  # data=shards' default: the source's carve-out
         "complete": [],
     }
-    manifest["val_size"] = datamodule.hparams.val_size  # not what the shards hold: may change
+    # data=shards' default: the source's carve-out (not what the shards hold: a rerun updates it)
+    manifest["val_size"] = datamodule.hparams.val_size
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     workers = cfg.num_workers or os.cpu_count() or 1

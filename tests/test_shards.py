@@ -123,7 +123,7 @@ def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
         assert (
             TensorSplit(*shards.read(split)).digest() == TensorSplit(*source.read(split)).digest()
         )
-    files, _ = source.sample_source("train")[1].files, None
+    files = source.sample_source("train")[1].files
     shards.setup("fit")
     settings = check_augment({"crop_scale": [0.5, 1.0], "flip": True})
     augmented = AugmentedSplit(shards.train_set, settings, 7, shards.mean, shards.std, (3, 32, 32))
@@ -334,11 +334,13 @@ def chunk_of(manifest: dict, positions: list[int]) -> set[int]:
 
 def test_the_cache_must_hold_the_shards_a_rank_reads_in_an_epoch() -> None:
     chunks = [{"chunk_size": 10, "chunk_bytes": 100 * (k + 1)} for k in range(8)]  # 3,600 B
-    assert training_bytes(chunks, world_size=4, rank=3, partitions=None) == 3600
-    # 4 partitions of 2 shards; rank r of 2 reads partitions 2r and 2r + 1.
-    assert training_bytes(chunks, world_size=2, rank=0, partitions=4) == 100 + 200 + 300 + 400
-    assert training_bytes(chunks, world_size=2, rank=1, partitions=4) == 500 + 600 + 700 + 800
-    assert training_bytes(chunks, world_size=4, rank=2, partitions=4) == 500 + 600
+    assert training_bytes(chunks, partitions=None) == 3600
+    # 4 partitions of 2 shards; rank r of 2 reads partitions 2r and 2r + 1 (the sampler's mine).
+    for world, rank, expected in ((2, 0, 100 + 200 + 300 + 400), (2, 1, 500 + 600 + 700 + 800),
+                                  (4, 2, 500 + 600)):  # fmt: skip
+        parts = [torch.arange(8)] * 4  # the sampler only needs as many partitions
+        mine = PartitionedBatchSampler(range(32), world, rank, 4, 0, parts).mine
+        assert training_bytes(chunks, partitions=4, mine=mine) == expected
 
 
 def test_partitions_give_each_rank_its_own_shards_and_every_world_the_same_batches(

@@ -73,15 +73,14 @@ def eval_rows(positions: Tensor, world_size: int, rank: int) -> list[int]:
     return order[rank * len(order) // world_size : (rank + 1) * len(order) // world_size].tolist()
 
 
-def training_bytes(chunks: list[dict], world_size: int, rank: int, partitions: int | None) -> int:
-    """Bytes of the training shards (``index.json``'s ``chunks``) that ``rank`` reads in an
-    epoch: every shard, or with ``data.partitions`` its partitions' shards."""
+def training_bytes(chunks: list[dict], partitions: int | None, mine: Sequence[int] = ()) -> int:
+    """Bytes of the training shards (``index.json``'s ``chunks``) a rank reads in an epoch:
+    every shard, or with ``data.partitions`` the shards of its partitions ``mine``."""
     sizes = [chunk["chunk_bytes"] for chunk in chunks]
     if not partitions:
         return sum(sizes)
     groups = chunk_groups([chunk["chunk_size"] for chunk in chunks], partitions).tolist()
-    share = partitions // world_size
-    return sum(size for size, group in zip(sizes, groups, strict=True) if group // share == rank)
+    return sum(size for size, group in zip(sizes, groups, strict=True) if group in mine)
 
 
 class ShardRunSampler(DistributedSampler):
@@ -143,19 +142,22 @@ class ShardSplit(Dataset):
                 self._data.on_demand_bytes = False
         return self._data
 
-    def originals(self, rows: list[int], size: Sequence[int] | None = None) -> list[Tensor]:
-        """``uint8 [C, H, W]`` of the samples at ``rows``, each at its stored size (an image
-        file's own) or resized to ``size`` (H, W) as every data path resizes."""
+    def decoded(self, rows: list[int], size: Sequence[int] | None = None) -> Iterator[np.ndarray]:
+        """``uint8 [C, H, W]`` (read-only) of the samples at ``rows``, each at its stored size
+        (an image file's own) or resized to ``size`` (H, W) as every data path resizes."""
         data, channels = self.data(), self.image_shape[0]
-        decoded = (
-            decode_image(io.BytesIO(data[int(self.indices[row])]["image"]), channels, size)
-            for row in rows
-        )
-        return [torch.from_numpy(pixels.copy()).permute(2, 0, 1) for pixels in decoded]
+        for row in rows:
+            file = io.BytesIO(data[int(self.indices[row])]["image"])
+            yield decode_image(file, channels, size).transpose(2, 0, 1)
+
+    def originals(self, rows: list[int]) -> list[Tensor]:
+        """The samples at ``rows`` as stored (for augmentation's crops), one tensor each."""
+        return [torch.from_numpy(pixels.copy()) for pixels in self.decoded(rows)]
 
     def raw(self, rows: list[int]) -> Tensor:
-        """``uint8 [B, C, H, W]`` of the samples at ``rows``, at the trained image size."""
-        return torch.stack(self.originals(rows, self.image_shape[1:]))
+        """``uint8 [B, C, H, W]`` of the samples at ``rows``, at the trained image size (each
+        image copied once, into the batch)."""
+        return torch.from_numpy(np.stack(list(self.decoded(rows, self.image_shape[1:]))))
 
     @property
     def inputs(self) -> "LazyImages":
@@ -301,7 +303,7 @@ class ShardDataModule(ImageDataModule):
         self.val_set = self._split("train", val_idx, labels)
         self.train_set = self._split("train", train_idx, labels)
 
-    def check_cache(self, count: int | None) -> None:
+    def check_cache(self, count: int | None, mine: Sequence[int] = ()) -> None:
         """Remote shards are read in a random order, so LitData's cache must hold all the shards
         a rank reads in an epoch: a smaller one re-downloads a shard at nearly every sample
         (measured: 100x slower, and reads of evicted files failed)."""
@@ -311,7 +313,7 @@ class ShardDataModule(ImageDataModule):
         from litdata.utilities.format import _convert_bytes_to_int  # what LitData accepts
 
         chunks = json.loads(self._remote_bytes("train/index.json"))["chunks"]
-        need = training_bytes(chunks, *self._world(), count)
+        need = training_bytes(chunks, count, mine)
         if need > _convert_bytes_to_int(str(limit)):
             several = not count and self._world()[0] > 1
             fix = ", or data.partitions=C (each of N ranks reads C/N of them)" if several else ""
@@ -337,7 +339,7 @@ class ShardDataModule(ImageDataModule):
             self.train_set, *self._world(), self.hparams.batch_size, seed, parts,
             tag_epoch=settings is not None,
         )  # fmt: skip
-        self.check_cache(count)  # (once the sampler has checked the count)
+        self.check_cache(count, sampler.mine)  # the partitions the sampler gives this rank
         sampler.resume_at(*resume_position(self.trainer))  # before any worker fetches
         data = self.train_set
         if settings is not None:
