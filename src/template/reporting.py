@@ -9,6 +9,7 @@ import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +129,15 @@ QUIET_WARNINGS = (
 )
 
 
-def not_a_notice(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(QUIET_INFO)
+@dataclass(frozen=True)
+class DropNotices:
+    """A logging filter: drops records whose message starts with one of ``prefixes`` (equal
+    filters are equal, so adding one twice to a logger adds it once)."""
+
+    prefixes: tuple[str, ...]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
 
 
 def quiet_library_notices() -> None:
@@ -137,7 +145,7 @@ def quiet_library_notices() -> None:
     for message, category in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message, category)
     for name in QUIET_LOGS:
-        logging.getLogger(name).addFilter(not_a_notice)  # once: addFilter skips a duplicate
+        logging.getLogger(name).addFilter(DropNotices(QUIET_INFO))
 
 
 @rank_zero_only

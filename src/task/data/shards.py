@@ -25,14 +25,11 @@ from src.task.data.augment import AugmentedSplit, check_augment
 from src.task.data.images import ImageDataModule, decode_image
 from src.task.data.partitions import PartitionedBatchSampler, chunk_groups, partition_rows
 from src.template.data import Batch, DataError, carve_validation
+from src.template.reporting import DropNotices
 from src.template.resume import resume_position
 
 # LitData's advice to use a 25 GB cache: check_cache says what this job needs instead.
 NOTICES = ("The provided `max_cache_size` is less than 25GB",)
-
-
-def not_a_notice(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(NOTICES)
 
 
 def quiet_libraries() -> None:
@@ -40,7 +37,7 @@ def quiet_libraries() -> None:
     found) tell this project's user nothing; their warnings still show."""
     for name in ("litdata", "botocore"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    logging.getLogger("litdata.streaming.dataset").addFilter(not_a_notice)
+    logging.getLogger("litdata.streaming.dataset").addFilter(DropNotices(NOTICES))
 
 
 def litdata() -> Any:
