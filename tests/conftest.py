@@ -55,8 +55,10 @@ def run_job(
 ) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True)`` for a job that may start
     rank and data-loader processes. A job still running after ``timeout`` seconds fails the
-    test with where every one of its processes is stuck: each gets SIGABRT, and Python's
-    faulthandler prints all its threads' stacks to the captured stderr. Nothing outlives it."""
+    test with where each of its processes is stuck (orphans included: its whole process
+    group): each gets SIGABRT in turn, and Python's faulthandler prints its threads' stacks.
+    Nothing outlives it."""
+    __tracebackhide__ = True  # the failure shows the stacks, not this function's source
     env = {**env, "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(
         list(command), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -65,26 +67,51 @@ def run_job(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        with suppress(psutil.NoSuchProcess):
-            root = psutil.Process(proc.pid)
-            for process in [*root.children(recursive=True), root]:  # one at a time: whole stacks
-                with suppress(psutil.NoSuchProcess):
-                    process.send_signal(signal.SIGABRT)
-                time.sleep(0.3)  # its dump is written (milliseconds) before the next begins
+        group = process_group(proc.pid)
+        table = "\n".join(
+            f"  pid {p.pid} ppid {p.ppid()} {p.status()} {p.num_threads()} threads: "
+            f"{' '.join(p.cmdline()).replace(chr(10), ' ')[:150]}"
+            for p in group
+            if p.is_running()
+        )
+        for process in group:  # one at a time: each dump whole, not interleaved
+            with suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGABRT)
+            time.sleep(0.3)  # its dump is written (milliseconds) before the next begins
         try:
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-        stacks = [line for line in err.splitlines() if not line.startswith("Extension modules:")]
         pytest.fail(
-            f"{' '.join(map(str, command))} still running after {timeout:g} s; the stacks of "
-            f"its processes:\n{chr(10).join(stacks)[-60000:]}\n--- stdout ---\n{out[-3000:]}"
+            f"{' '.join(map(str, command))} still running after {timeout:g} s. Its processes:\n"
+            f"{table}\nTheir stacks (idle queue feeder threads left out):\n"
+            f"{busy_stacks(err)[-60000:]}\n--- stdout ---\n{out[-3000:]}"
         )
     finally:
         with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # a rank or worker left behind
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def process_group(pgid: int) -> list[psutil.Process]:
+    """The processes of a process group, newest (children) first: a job's ranks and loader
+    workers, also those orphaned by a dead parent (psutil's ``children`` misses them)."""
+
+    def in_group(process: psutil.Process) -> bool:
+        with suppress(ProcessLookupError, psutil.Error):
+            return os.getpgid(process.pid) == pgid
+        return False
+
+    return sorted(filter(in_group, psutil.process_iter()), key=lambda p: -p.pid)
+
+
+def busy_stacks(stderr: str) -> str:
+    """faulthandler's dumps in ``stderr`` without the noise that hid the stuck thread: the
+    extension-module lists, and the threads that only wait to feed a multiprocessing queue."""
+    blocks = stderr.split("\n\n")  # faulthandler ends each thread's stack with a blank line
+    idle = ("Extension modules:", "in _feed\n")
+    return "\n\n".join(b for b in blocks if not any(mark in b + "\n" for mark in idle))
 
 
 def kill_process_trees(*procs: subprocess.Popen) -> None:

@@ -10,8 +10,12 @@ import pytest
 from tests.conftest import PROJECT, run_job
 
 HANGS = """
-import subprocess, sys, time
-subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # a rank, say
+import multiprocessing, subprocess, sys, time
+sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+subprocess.Popen(sleeper)  # a rank, say
+orphan = f"import subprocess; subprocess.Popen({sleeper!r})"
+subprocess.run([sys.executable, "-c", orphan])  # a loader worker whose rank was killed, say
+multiprocessing.Queue().put(1)  # a thread that only waits to feed the queue
 def stuck_in_a_collective():
     time.sleep(600)
 stuck_in_a_collective()
@@ -24,9 +28,11 @@ def test_a_hung_job_fails_with_every_processs_stack_and_leaves_nothing() -> None
     message = str(failed.value)
     assert "still running after 3 s" in message
     # Each process dumps in turn (not all at once into one pipe, interleaved), whole.
-    assert 'line 5 in stuck_in_a_collective\n  File "<string>", line 6 in <module>' in message
-    assert message.count("Current thread") == 2, "the child's stack too"
+    assert 'line 9 in stuck_in_a_collective\n  File "<string>", line 10 in <module>' in message
+    assert message.count("Current thread") == 3, "the child's and the orphan's stacks too"
+    assert message.count(" threads: ") == 3, "a line per process"
     assert "Extension modules:" not in message  # a few thousand characters per process
+    assert "in _feed" not in message, "idle threads hid the stuck one"
     time.sleep(0.5)
     leftovers = [
         p for p in psutil.process_iter(["cmdline"])
