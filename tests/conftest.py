@@ -68,12 +68,7 @@ def run_job(
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         group = process_group(proc.pid)
-        table = "\n".join(
-            f"  pid {p.pid} ppid {p.ppid()} {p.status()} {p.num_threads()} threads: "
-            f"{' '.join(p.cmdline()).replace(chr(10), ' ')[:150]}"
-            for p in group
-            if p.is_running()
-        )
+        table = "\n".join(filter(None, map(describe, group)))
         for process in group:  # one at a time: each dump whole, not interleaved
             with suppress(psutil.NoSuchProcess):
                 process.send_signal(signal.SIGABRT)
@@ -104,6 +99,23 @@ def process_group(pgid: int) -> list[psutil.Process]:
         return False
 
     return sorted(filter(in_group, psutil.process_iter()), key=lambda p: -p.pid)
+
+
+def describe(process: psutil.Process) -> str:
+    """A process in one line: its parent, state, threads, where its stdout and stderr go."""
+    outputs = []
+    for fd in (1, 2):
+        try:
+            outputs.append(os.readlink(f"/proc/{process.pid}/fd/{fd}"))
+        except OSError:
+            outputs.append("(none)")  # closed, or a zombie's
+    with suppress(psutil.Error):
+        return (
+            f"  pid {process.pid} ppid {process.ppid()} {process.status()} "
+            f"{process.num_threads()} threads, stdout {outputs[0]} stderr {outputs[1]}: "
+            + " ".join(process.cmdline()).replace("\n", " ")[:120]
+        )
+    return ""
 
 
 def busy_stacks(stderr: str) -> str:
