@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -276,6 +277,29 @@ def test_loader_batches_are_normalised(tmp_path: Path) -> None:
     assert torch.equal(one.inputs, batch.inputs[0]) and int(one.indices) == i
     sizes = [len(b.targets) for b in dm.train_dataloader()]
     assert sizes == [8] * 5
+
+
+def test_loader_workers_start_from_a_single_threaded_process(tmp_path: Path) -> None:
+    """A rank runs threads (gloo's, the watchdogs, system metrics); a worker forked from it
+    while one of them held a lock hung before its first line (1 CI job in ~100). Workers come
+    from a process with one thread, and give the batches the rank would read itself."""
+    make_dataset(tmp_path)
+    dm = make_module(tmp_path, num_workers=2)
+    dm.setup("fit")
+    busy = threading.Event()
+    thread = threading.Thread(target=busy.wait, daemon=True)  # this process: multi-threaded
+    thread.start()
+    loader = dm.train_dataloader()
+    batches = iter(loader)
+    first = next(batches)
+    parents = {psutil.Process(w.pid).parent() for w in batches._workers}
+    busy.set()
+    assert os.getpid() not in {parent.pid for parent in parents}
+    assert [parent.num_threads() for parent in parents] == [1]
+    inline = make_module(tmp_path)
+    inline.setup("fit")
+    expected = next(iter(inline.train_dataloader()))
+    assert all(torch.equal(a, b) for a, b in zip(first, expected, strict=True))
 
 
 def test_device_resident_loaders_give_the_same_batches(tmp_path: Path) -> None:
