@@ -464,9 +464,10 @@ def test_shards_stream_from_s3_through_a_bounded_cache(
     for key, value in s3_server.items():
         monkeypatch.setenv(key, value)
     cache = tmp_path / "cache"
+    # In this process: no loader workers, whose forkserver may predate this environment.
     remote = ShardDataModule(
-        "shards", root, batch_size=32, val_size=VAL_SIZE, num_workers=2,
-        cache_dir=str(cache), max_cache_size="1MB",
+        "shards", root, batch_size=32, val_size=VAL_SIZE, cache_dir=str(cache),
+        max_cache_size="1MB",
     )  # fmt: skip
     local = ShardDataModule("shards", str(shards), batch_size=32, val_size=VAL_SIZE)
     for dm in (remote, local):
@@ -485,8 +486,9 @@ def test_shards_stream_from_s3_through_a_bounded_cache(
     small.setup("fit")
     with pytest.raises(DataError, match=r"data.max_cache_size=50KB cannot hold the .* set data"):
         small.train_dataloader()
-    # A real training job reading the bucket, with the bounded cache.
+    # A real training job reading the bucket in loader workers, with the bounded cache.
     args = [*shard_overrides(tiny_root, shards), "trainer.max_epochs=1", "logger=none"]
+    args += ["data.num_workers=2"]
     args = [a for a in args if not a.startswith("data.root")] + [f"data.root={root}"]
     args += [f"data.cache_dir={tmp_path / 'job-cache'}", "data.max_cache_size=1MB"]
     run_entry("train", *args, "hydra.run.dir=s3", cwd=tmp_path, env=s3_server)
