@@ -71,3 +71,36 @@ def test_the_machinery_knows_nothing_of_image_classification() -> None:
         for path in sorted(MACHINERY.glob("*.py"))
     }
     assert not {name: words for name, words in found.items() if words}
+
+
+def project_imports(path: Path, modules: set[str]) -> set[str]:
+    """The project's modules ``path`` imports, anywhere in it: ``from src.task import nets``
+    counts as ``src.task.nets`` (a submodule), not as the package ``src.task``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            subs = {f"{node.module}.{alias.name}" for alias in node.names} & modules
+            found |= subs or {node.module}
+    return found & modules
+
+
+def test_no_module_of_the_project_imports_itself_back() -> None:
+    """No import cycle, counting imports inside functions too (a deferred import is still a
+    cycle: neither module can be read, tested or replaced without the other)."""
+    files = {
+        ".".join(path.relative_to(PROJECT).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in sorted((PROJECT / "src").rglob("*.py"))
+    }
+    imports = {name: project_imports(path, set(files)) for name, path in files.items()}
+
+    def cycle(path: list[str]) -> list[str]:
+        for module in sorted(imports[path[-1]]):
+            if module == path[0]:
+                return [*path, module]
+            if module not in path and (found := cycle([*path, module])):
+                return found
+        return []
+
+    assert not [found for name in files if (found := cycle([name]))]

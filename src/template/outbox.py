@@ -35,7 +35,7 @@ WRITES: dict[str, tuple[str, ...]] = {
     "log_artifact": ("local_path", "artifact_path"),
     "log_inputs": ("datasets",),
     "log_model": ("folder", "step", "key", "registered_name", "metrics"),  # see export.py
-    "summarize": ("folder", "metric", "mode"),  # an offline sweep's summary: see sweep_run.py
+    "summarize": ("folder", "metric", "mode"),  # an offline sweep's summary: see sweeps.py
 }
 
 
@@ -91,7 +91,7 @@ def send(client: Any, record: dict[str, Any]) -> None:
         log_model(client.tracking_uri, run_id, Path(kwargs.pop("folder")), **kwargs)
         return
     elif method == "summarize":
-        from src.template.sweep_run import write_summary
+        from src.template.sweeps import write_summary
 
         write_summary(client, run_id, Path(kwargs.pop("folder")), **kwargs)
         return

@@ -1,29 +1,19 @@
 """One MLflow parent run per sweep: every job's run nests under it, and each job, as it ends,
-rewrites the sweep's summary there: a table of every job, the best one by ``optimized_metric``,
-and the spread of the jobs that differ only in ``seed`` (or ``fold``). The jobs do it under a
-lock on the sweep folder, so it works with every launcher, and a sweep run again continues it."""
+rewrites the sweep's summary there (:func:`~src.template.sweeps.write_summary`), under a lock on
+the sweep folder, so it works with every launcher, and a sweep run again continues it."""
 
-import csv
 import json
-import math
-import time
 from contextlib import closing
-from pathlib import Path
-from statistics import mean, stdev
-from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from src.template.files import write_text_atomically
 from src.template.outbox import Outbox, encode, offline_run_id
 from src.template.store import locked, mask_override, without_password
-from src.template.sweeps import sweep_command, sweep_job, sweep_overrides, varied_overrides
+from src.template.sweeps import sweep_command, sweep_job, write_summary
 
 PARENT_FILE = "mlflow_parent_run.json"  # in the sweep folder: the parent run and its store
-JOBS_FILE, SEEDS_FILE = "jobs.csv", "seeds.csv"  # the parent's tables: every job; their spread
-FIELDS = ("job", "run_id", "overrides", "status")  # of a job, before its metrics
-REPEATS = ("seed=", "fold=")  # jobs that differ only in these repeat one experiment
 
 
 def parent_run(cfg: DictConfig) -> str | None:
@@ -83,79 +73,3 @@ def summarize(cfg: DictConfig, mode: str) -> None:
                     outbox.append(record)
     except Exception as error:
         rank_zero_warn(f"the sweep's summary on run {parent['run_id']} was not updated: {error}")
-
-
-def read_jobs(folder: Path) -> list[dict[str, Any]]:
-    """Each job of the sweep folder, in order: its number, run, varied overrides, status and
-    metrics."""
-    command, jobs = sweep_overrides(folder), []
-    for overrides in folder.glob("*/.hydra/overrides.yaml"):
-        out = overrides.parent.parent
-        metrics, run_id = out / "metrics.json", out / "mlflow_run_id.txt"
-        jobs.append({
-            "job": out.name,
-            "run_id": run_id.read_text().strip() if run_id.is_file() else "",
-            "overrides": " ".join(varied_overrides(OmegaConf.load(overrides), command)),
-            "status": "finished" if metrics.is_file() else "unfinished",
-            "metrics": json.loads(metrics.read_text()) if metrics.is_file() else {},
-        })  # fmt: skip
-    return sorted(jobs, key=lambda j: (len(j["job"]), j["job"]))
-
-
-def write_summary(client: Any, run_id: str, folder: Path, metric: str, mode: str) -> None:
-    from mlflow.entities import Metric, RunTag
-
-    jobs = read_jobs(folder)
-    keys = sorted({key for job in jobs for key in job["metrics"]})
-    rows = [{key: job[key] for key in FIELDS} | job["metrics"] for job in jobs]
-    write_table(client, run_id, folder / JOBS_FILE, rows, [*FIELDS, *keys])
-    scored = [job for job in jobs if metric in job["metrics"]]
-    tags = {"sweep.jobs": str(len(jobs)), "sweep.finished": str(len(scored))}
-    values: dict[str, float] = {}
-    if scored:
-        best = (max if mode == "max" else min)(scored, key=lambda job: job["metrics"][metric])
-        tags |= {"best.job": best["job"], "best.run_id": best["run_id"],
-                 "best.overrides": best["overrides"] or "(none)"}  # fmt: skip
-        values[f"best/{metric}"] = best["metrics"][metric]
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for job in scored:  # by the overrides other than the repeated ones, if it varies one
-        others = [o for o in job["overrides"].split() if not o.startswith(REPEATS)]
-        if len(others) < len(job["overrides"].split()):
-            groups.setdefault(" ".join(others) or "(all)", []).append(job)
-    groups = {group: members for group, members in groups.items() if len(members) > 1}
-    spreads = [row for group, members in groups.items() for row in spread(group, members, keys)]
-    if spreads:
-        write_table(client, run_id, folder / SEEDS_FILE, spreads, list(spreads[0]))
-    if len(groups) == 1:  # every job differs only in seed: the spread is the sweep's result
-        for row in spreads:
-            for stat in ("mean", "std", "ci95_low", "ci95_high"):
-                values[f"{row['metric']}_{stat}"] = row[stat]
-    now = int(time.time() * 1000)
-    client.log_batch(
-        run_id, [Metric(k, float(v), now, 0) for k, v in values.items()],
-        tags=[RunTag(k, v) for k, v in tags.items()],
-    )  # fmt: skip
-    client.set_terminated(run_id, "FINISHED")  # the summary of every job ended so far
-
-
-def write_table(client: Any, run_id: str, path: Path, rows: list[dict], fields: list) -> None:
-    with path.open("w", newline="") as file:
-        table = csv.DictWriter(file, fieldnames=fields)
-        table.writeheader()
-        table.writerows(rows)
-    client.log_artifact(run_id, str(path))
-
-
-def spread(group: str, jobs: list[dict[str, Any]], keys: list[str]) -> list[dict[str, Any]]:
-    """Mean, sample standard deviation and Student-t 95% confidence interval of each metric."""
-    from scipy.stats import t
-
-    rows = []
-    for key in keys:
-        values = [job["metrics"][key] for job in jobs if key in job["metrics"]]
-        if len(values) > 1:
-            n, centre, sd = len(values), mean(values), stdev(values)
-            half = float(t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
-            rows.append({"group": group, "metric": key, "n": n, "mean": centre, "std": sd,
-                         "ci95_low": centre - half, "ci95_high": centre + half})  # fmt: skip
-    return rows

@@ -1,14 +1,20 @@
 """Hydra multiruns (``-m``): what a sweep job needs beyond a single run. A sweep run again in its
-folder skips finished jobs and resumes the rest; a DDP job runs as its own process tree."""
+folder skips finished jobs and resumes the rest; a DDP job runs as its own process tree. The
+sweep's summary: a table of every job, the best one by ``optimized_metric``, and the spread of
+the jobs that differ only in ``seed`` (or ``fold``)."""
 
+import csv
 import json
 import logging
+import math
 import os
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from statistics import mean, stdev
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
@@ -23,6 +29,9 @@ log = logging.getLogger(__name__)
 
 SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep folder>/<job number>" for a sweep's DDP job
 JOB_FILE = "sweep_job.json"  # in a sweep job's folder: its overrides, and its result once done
+JOBS_FILE, SEEDS_FILE = "jobs.csv", "seeds.csv"  # the summary's tables: every job; their spread
+FIELDS = ("job", "run_id", "overrides", "status")  # of a job, before its metrics
+REPEATS = ("seed=", "fold=")  # jobs that differ only in these repeat one experiment
 
 
 class SweepError(RuntimeError):
@@ -134,3 +143,79 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver(
         "swept", lambda: "".join(f" {o}" for o in swept_overrides()), replace=True
     )
+
+
+def read_jobs(folder: Path) -> list[dict[str, Any]]:
+    """Each job of the sweep folder, in order: its number, run, varied overrides, status and
+    metrics."""
+    command, jobs = sweep_overrides(folder), []
+    for overrides in folder.glob("*/.hydra/overrides.yaml"):
+        out = overrides.parent.parent
+        metrics, run_id = out / "metrics.json", out / "mlflow_run_id.txt"
+        jobs.append({
+            "job": out.name,
+            "run_id": run_id.read_text().strip() if run_id.is_file() else "",
+            "overrides": " ".join(varied_overrides(OmegaConf.load(overrides), command)),
+            "status": "finished" if metrics.is_file() else "unfinished",
+            "metrics": json.loads(metrics.read_text()) if metrics.is_file() else {},
+        })  # fmt: skip
+    return sorted(jobs, key=lambda j: (len(j["job"]), j["job"]))
+
+
+def write_summary(client: Any, run_id: str, folder: Path, metric: str, mode: str) -> None:
+    from mlflow.entities import Metric, RunTag
+
+    jobs = read_jobs(folder)
+    keys = sorted({key for job in jobs for key in job["metrics"]})
+    rows = [{key: job[key] for key in FIELDS} | job["metrics"] for job in jobs]
+    write_table(client, run_id, folder / JOBS_FILE, rows, [*FIELDS, *keys])
+    scored = [job for job in jobs if metric in job["metrics"]]
+    tags = {"sweep.jobs": str(len(jobs)), "sweep.finished": str(len(scored))}
+    values: dict[str, float] = {}
+    if scored:
+        best = (max if mode == "max" else min)(scored, key=lambda job: job["metrics"][metric])
+        tags |= {"best.job": best["job"], "best.run_id": best["run_id"],
+                 "best.overrides": best["overrides"] or "(none)"}  # fmt: skip
+        values[f"best/{metric}"] = best["metrics"][metric]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for job in scored:  # by the overrides other than the repeated ones, if it varies one
+        others = [o for o in job["overrides"].split() if not o.startswith(REPEATS)]
+        if len(others) < len(job["overrides"].split()):
+            groups.setdefault(" ".join(others) or "(all)", []).append(job)
+    groups = {group: members for group, members in groups.items() if len(members) > 1}
+    spreads = [row for group, members in groups.items() for row in spread(group, members, keys)]
+    if spreads:
+        write_table(client, run_id, folder / SEEDS_FILE, spreads, list(spreads[0]))
+    if len(groups) == 1:  # every job differs only in seed: the spread is the sweep's result
+        for row in spreads:
+            for stat in ("mean", "std", "ci95_low", "ci95_high"):
+                values[f"{row['metric']}_{stat}"] = row[stat]
+    now = int(time.time() * 1000)
+    client.log_batch(
+        run_id, [Metric(k, float(v), now, 0) for k, v in values.items()],
+        tags=[RunTag(k, v) for k, v in tags.items()],
+    )  # fmt: skip
+    client.set_terminated(run_id, "FINISHED")  # the summary of every job ended so far
+
+
+def write_table(client: Any, run_id: str, path: Path, rows: list[dict], fields: list) -> None:
+    with path.open("w", newline="") as file:
+        table = csv.DictWriter(file, fieldnames=fields)
+        table.writeheader()
+        table.writerows(rows)
+    client.log_artifact(run_id, str(path))
+
+
+def spread(group: str, jobs: list[dict[str, Any]], keys: list[str]) -> list[dict[str, Any]]:
+    """Mean, sample standard deviation and Student-t 95% confidence interval of each metric."""
+    from scipy.stats import t
+
+    rows = []
+    for key in keys:
+        values = [job["metrics"][key] for job in jobs if key in job["metrics"]]
+        if len(values) > 1:
+            n, centre, sd = len(values), mean(values), stdev(values)
+            half = float(t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
+            rows.append({"group": group, "metric": key, "n": n, "mean": centre, "std": sd,
+                         "ci95_low": centre - half, "ci95_high": centre + half})  # fmt: skip
+    return rows
