@@ -20,7 +20,8 @@ from src.template.resume import GlobalBatchSampler, resume_position
 
 def worker_context(dataset: Dataset) -> BaseContext:
     """Loader workers forked from a single-threaded server that has imported the dataset's
-    module already (Python 3.14's default on Linux), not from the multi-threaded rank."""
+    module already (Python 3.14's default on Linux), not from the rank: it runs threads (gloo's,
+    ours), and a child forked while one holds a lock can hang (seen: 1 job in ~100 on 2 ranks)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([type(dataset).__module__])  # before its first start only
     return context
@@ -244,8 +245,6 @@ class TensorDataModule(LightningDataModule):
             sampler=sampler,
             num_workers=workers,
             persistent_workers=workers > 0,
-            # Not fork: a rank runs threads (gloo's, ours), and a child forked while one of them
-            # holds a lock can hang before its first line (seen: 1 job in ~100 on 2 ranks).
             multiprocessing_context=worker_context(dataset) if workers else None,
             # Only a GPU benefits; Lightning then copies pinned batches with non_blocking=True.
             pin_memory=self.hparams.pin_memory and on_gpu and not resident,
