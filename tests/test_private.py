@@ -5,7 +5,11 @@ import inspect
 
 from lightning.pytorch.strategies import DDPStrategy
 
-from src.template.private import SubprocessScriptLauncher, set_num_threads_if_needed
+from src.template.private import (
+    SubprocessScriptLauncher,
+    run_context_tags,
+    set_num_threads_if_needed,
+)
 
 
 def test_lightnings_subprocess_launcher_has_what_the_watched_launcher_uses() -> None:
@@ -34,6 +38,13 @@ def test_mlflows_system_metrics_samplers_are_usable_without_its_loop() -> None:
     for sampler in monitor.monitors:
         sampler.clear_metrics()
     assert monitor.sampling_interval == 1
+
+
+def test_mlflows_run_context_tags_are_those_a_started_run_gets() -> None:
+    tags = run_context_tags({"team": "vision"})
+    assert tags["team"] == "vision"
+    # and the git commit, where the entry script is in a checkout (test_train.py checks a job's)
+    assert {"mlflow.source.name", "mlflow.source.type", "mlflow.user"} <= set(tags), tags
 
 
 def test_litdatas_internals_that_data_shards_uses_for_remote_reads() -> None:

@@ -6,6 +6,8 @@ pinned by ``tests/test_private.py``: an upgrade that changes one fails there, lo
   ``DDPStrategy._configure_launcher()`` as ``_launcher``; ``_set_num_threads_if_needed``.
 * MLflow's ``SystemMetricsMonitor`` samplers without its loop, which stops at a failed request
   (``collect_metrics()``, ``aggregate_metrics()``, ``monitors``, ``clear_metrics()``).
+* MLflow's run-context tag registry (``resolve_tags``): an offline run is created by src.sync,
+  elsewhere, so its source tags are taken when the job runs, as ``mlflow.start_run`` takes them.
 * LitData, for ``s3://`` shards (``src/task/data/shards.py``): ``_OBSTORE_CLIENT_OPTIONS`` of
   ``downloader`` (``http://``), ``StreamingDataset._create_cache(worker_env=_WorkerEnv.detect())``
   and ``on_demand_bytes = False`` (whole shards into the cache, not a request per sample);
@@ -19,4 +21,11 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
 
-__all__ = ["SubprocessScriptLauncher", "set_num_threads_if_needed"]
+__all__ = ["SubprocessScriptLauncher", "run_context_tags", "set_num_threads_if_needed"]
+
+
+def run_context_tags(tags: dict[str, str]) -> dict[str, str]:
+    """``tags`` with MLflow's own of this process: source name and type, user, git commit."""
+    from mlflow.tracking.context.registry import resolve_tags  # mlflow loads slowly: not here
+
+    return resolve_tags(tags)

@@ -23,6 +23,7 @@ from src.template.config import as_config_error, flatten
 from src.template.distributed import requested_processes
 from src.template.files import write_text_atomically
 from src.template.outbox import Outbox, OutboxClient, Sender, encode, finish, offline_run_id
+from src.template.private import run_context_tags
 from src.template.resume import epoch_finished
 from src.template.store import TrackingError, first_line, sqlite_file, without_password
 from src.template.sweeps import sweep_job
@@ -81,13 +82,11 @@ class OneFileTensorBoardLogger(TensorBoardLogger):
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        if self._experiment is not None:
-            self._experiment.flush()
+        self.experiment.flush()
         self.save()
 
     def close(self) -> None:
-        if self._experiment is not None:
-            self._experiment.close()
+        self.experiment.close()  # a no-op stand-in on ranks other than 0
 
 
 def build_loggers(
@@ -126,10 +125,10 @@ def build_loggers(
         run_id=offline_run_id() if offline else continue_run, offline=offline,
     )  # fmt: skip
     if offline:  # the run is a record for src.sync to create later
-        from mlflow.tracking.context.registry import resolve_tags
-
         logger.outbox = Outbox(Path(cfg.paths.output_dir), without_password(uri))
-        logger.outbox.append(encode("create_run", logger.run_id, **names, tags=resolve_tags(tags)))
+        logger.outbox.append(
+            encode("create_run", logger.run_id, **names, tags=run_context_tags(tags))
+        )
     return [logger, *loggers]
 
 
