@@ -28,6 +28,14 @@ def test_lightnings_thread_setting_takes_the_process_count() -> None:
     assert list(inspect.signature(set_num_threads_if_needed).parameters) == ["num_processes"]
 
 
+def test_lightnings_loop_progress_counts_what_resume_reads() -> None:
+    import lightning.pytorch as L
+
+    loop = L.Trainer(logger=False, enable_checkpointing=False).fit_loop
+    epochs, batches = loop.epoch_progress.current, loop.epoch_loop.batch_progress.current
+    assert (epochs.started, epochs.processed, batches.processed) == (0, 0, 0)
+
+
 def test_mlflows_system_metrics_samplers_are_usable_without_its_loop() -> None:
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
