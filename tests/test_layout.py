@@ -10,14 +10,23 @@ from tests.conftest import PROJECT
 MACHINERY = PROJECT / "src" / "template"
 
 
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PROJECT).with_suffix("").parts).removesuffix(".__init__")
+
+
+SOURCES = {module_name(path): path for path in sorted((PROJECT / "src").rglob("*.py"))}
+
+
 def imported_modules(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+    """Every module ``path`` imports, anywhere in it: ``from src.task import nets`` counts as
+    ``src.task.nets`` (a submodule), not as the package ``src.task``."""
     names = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & SOURCES.keys()
+            names |= submodules or {node.module}
     return names
 
 
@@ -73,27 +82,10 @@ def test_the_machinery_knows_nothing_of_image_classification() -> None:
     assert not {name: words for name, words in found.items() if words}
 
 
-def project_imports(path: Path, modules: set[str]) -> set[str]:
-    """The project's modules ``path`` imports, anywhere in it: ``from src.task import nets``
-    counts as ``src.task.nets`` (a submodule), not as the package ``src.task``."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            subs = {f"{node.module}.{alias.name}" for alias in node.names} & modules
-            found |= subs or {node.module}
-    return found & modules
-
-
 def test_no_module_of_the_project_imports_itself_back() -> None:
     """No import cycle, counting imports inside functions too (a deferred import is still a
     cycle: neither module can be read, tested or replaced without the other)."""
-    files = {
-        ".".join(path.relative_to(PROJECT).with_suffix("").parts).removesuffix(".__init__"): path
-        for path in sorted((PROJECT / "src").rglob("*.py"))
-    }
-    imports = {name: project_imports(path, set(files)) for name, path in files.items()}
+    imports = {name: imported_modules(path) & SOURCES.keys() for name, path in SOURCES.items()}
 
     def cycle(path: list[str]) -> list[str]:
         for module in sorted(imports[path[-1]]):
@@ -103,4 +95,4 @@ def test_no_module_of_the_project_imports_itself_back() -> None:
                 return found
         return []
 
-    assert not [found for name in files if (found := cycle([name]))]
+    assert not [found for name in SOURCES if (found := cycle([name]))]
