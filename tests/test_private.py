@@ -36,6 +36,15 @@ def test_lightnings_loop_progress_counts_what_resume_reads() -> None:
     assert (epochs.started, epochs.processed, batches.processed) == (0, 0, 0)
 
 
+def test_lightnings_tensorboard_writer_is_none_until_opened(tmp_path) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(tmp_path)
+    assert logger._experiment is None
+    assert logger.experiment is logger._experiment is not None
+    assert list(tmp_path.rglob("events.out.tfevents.*")), "opening it makes the events file"
+
+
 def test_mlflows_system_metrics_samplers_are_usable_without_its_loop() -> None:
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 

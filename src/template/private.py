@@ -7,6 +7,9 @@ pinned by ``tests/test_private.py``: an upgrade that changes one fails there, lo
 * Lightning's loop progress counters, read where a resumed epoch starts and whether an epoch ran
   to its end (``src/template/resume.py``): ``fit_loop.epoch_progress.current.started|processed``
   and ``fit_loop.epoch_loop.batch_progress.current.processed`` (public names, no stable API).
+* Lightning's ``TensorBoardLogger._experiment`` (the writer, ``None`` until opened), read by
+  ``tracking.OneFileTensorBoardLogger``: its public ``experiment`` opens a writer, and so an
+  events file, on a job that fails before logging anything.
 * MLflow's ``SystemMetricsMonitor`` samplers without its loop, which stops at a failed request
   (``collect_metrics()``, ``aggregate_metrics()``, ``monitors``, ``clear_metrics()``).
 * MLflow's run-context tag registry (``resolve_tags``): an offline run is created by src.sync,

@@ -82,11 +82,13 @@ class OneFileTensorBoardLogger(TensorBoardLogger):
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        self.experiment.flush()
+        if self._experiment is not None:  # not `experiment`: it would open a file to flush
+            self._experiment.flush()
         self.save()
 
     def close(self) -> None:
-        self.experiment.close()  # a no-op stand-in on ranks other than 0
+        if self._experiment is not None:
+            self._experiment.close()
 
 
 def build_loggers(
