@@ -26,9 +26,9 @@ def train(cfg: DictConfig, task: Task) -> float | None:
     check_keys("data", cfg.data, data_class)
     check_sections(cfg, task.config_targets(model_cfg))
     out = Path(cfg.paths.output_dir)
-    earlier = sweeps.earlier_run(out)  # the same sweep run again in its folder
+    earlier = sweeps.earlier_run(out, cfg.ckpt_path)  # the same job run again in its folder
     if earlier and "result" in earlier:
-        print(f"{out}: this sweep job finished in an earlier run; its result is read back")
+        print(f"{out}: this job finished in an earlier run; its result is read back")
         return earlier["result"]
     if in_multirun() and world_size > 1 and not srun_starts_ranks(world_size):
         return run_sweep_job_in_own_process(cfg.optimized_metric)  # see src/template/sweeps.py
@@ -47,7 +47,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         checkpoint.check_fits(resume, model, datamodule, ckpt_path)
     continue_run = tracking.run_to_continue(resume, cfg, auto=requested == "auto")
     loggers = tracking.build_loggers(cfg, continue_run=continue_run)
-    sweeps.record_job(out)  # a sweep job starts: run again in its folder, it resumes
+    sweeps.record_job(out, cfg.ckpt_path)  # it starts: run again in its folder, it resumes
     reporting.show_config(cfg)
     callbacks = build_callbacks(cfg, monitor=(task.monitor, task.mode))
     callbacks += [SeedEachBatch(seed), *tracking.callbacks(loggers, cfg)]
@@ -68,7 +68,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         tracking.log_model(
             loggers, cfg.logger, task, model, datamodule, out, trainer.current_epoch, list(tested)
         )
-    sweeps.record_job(out, result=metrics.get(cfg.optimized_metric))
+    sweeps.record_job(out, cfg.ckpt_path, result=metrics.get(cfg.optimized_metric))
     sweep_run.summarize(cfg, task.mode)  # a sweep job: the sweep's parent run, updated
     return metrics.get(cfg.optimized_metric)
 

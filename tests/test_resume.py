@@ -2,6 +2,7 @@
 step by ``tests/signal_at_step``), by ``max_steps`` or by SIGKILL after a step checkpoint, then
 resumed; the result must equal an uninterrupted job's."""
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -136,15 +137,18 @@ def test_stopped_and_resumed_equals_uninterrupted(
 
 
 @pytest.mark.slow
-def test_auto_before_any_checkpoint_starts_fresh_in_the_run_it_opened(
+def test_auto_starts_fresh_in_the_run_it_opened_and_never_repeats_a_finished_job(
     reference, tiny_root: Path, tmp_path: Path
 ) -> None:
     """A job killed before its first checkpoint leaves only the id of the MLflow run it opened:
-    the same command again trains from the start into that run."""
+    the same command again trains from the start into that run. Once the job has finished, the
+    same command reads its result back; another override trains on."""
     args = [*overrides(tiny_root, 1), "ckpt_path=auto", "hydra.run.dir=run"]
     run_entry("train", *args, cwd=tmp_path)
     for checkpoint in (tmp_path / "run" / "checkpoints").iterdir():
         checkpoint.unlink()  # as if it had been killed before writing one
+    job = tmp_path / "run" / "job.json"  # and before it finished
+    job.write_text(json.dumps({"overrides": json.loads(job.read_text())["overrides"]}))
     run_entry("train", *args, cwd=tmp_path)
     expected = torch.load(reference(1) / "run/checkpoints/last.ckpt", weights_only=True)
     again = torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)
@@ -152,3 +156,17 @@ def test_auto_before_any_checkpoint_starts_fresh_in_the_run_it_opened(
     run, points = history(tmp_path / "mlflow.db")  # one run, each epoch once
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
     assert all([step for step, _ in steps] == list(range(EPOCHS)) for steps in points.values())
+
+    # The same command once more, after it finished: nothing trained, tested or logged again.
+    metrics = (tmp_path / "run" / "metrics.json").read_bytes()
+    same = run_entry("train", *args, cwd=tmp_path)
+    assert "this job finished in an earlier run" in same.stdout, same.stdout[-2000:]
+    assert (tmp_path / "run" / "metrics.json").read_bytes() == metrics
+    rerun, _ = history(tmp_path / "mlflow.db")
+    assert rerun.data.tags == run.data.tags and rerun.info.end_time == run.info.end_time
+    # Another override (one more epoch) is another job: it resumes from last.ckpt and trains on.
+    more = [a.replace(f"max_epochs={EPOCHS}", f"max_epochs={EPOCHS + 1}") for a in args]
+    longer = run_entry("train", *more, cwd=tmp_path)
+    assert "finished in an earlier run" not in longer.stdout
+    trained = torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)
+    assert trained["global_step"] == expected["global_step"] + STEPS_PER_EPOCH

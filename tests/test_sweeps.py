@@ -272,7 +272,7 @@ def test_a_sweep_folder_of_another_sweep_is_refused_in_one_line(
     assert other.returncode != 0
     (line,) = other.stderr.strip().splitlines()
     assert "holds another sweep" in line and "seed=1" in line, line
-    assert json.loads((tmp_path / "s" / "0" / "sweep_job.json").read_text())["result"] is not None
+    assert json.loads((tmp_path / "s" / "0" / "job.json").read_text())["result"] is not None
 
 
 def test_a_k_fold_sweep_validates_on_each_fold_once_and_sums_them_up(

@@ -1,7 +1,7 @@
 """Hydra multiruns (``-m``): what a sweep job needs beyond a single run. A sweep run again in its
-folder skips finished jobs and resumes the rest; a DDP job runs as its own process tree. The
-sweep's summary: a table of every job, the best one by ``optimized_metric``, and the spread of
-the jobs that differ only in ``seed`` (or ``fold``)."""
+folder skips finished jobs and resumes the rest (as a job with ``ckpt_path=auto`` does); a DDP
+job runs as its own process tree. The sweep's summary: a table of every job, the best one by
+``optimized_metric``, and the spread of the jobs that differ only in ``seed`` (or ``fold``)."""
 
 import csv
 import json
@@ -28,7 +28,7 @@ from src.template.files import write_text_atomically
 log = logging.getLogger(__name__)
 
 SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep folder>/<job number>" for a sweep's DDP job
-JOB_FILE = "sweep_job.json"  # in a sweep job's folder: its overrides, and its result once done
+JOB_FILE = "job.json"  # in a job's folder: its overrides, and its result once done
 JOBS_FILE, SEEDS_FILE = "jobs.csv", "seeds.csv"  # the summary's tables: every job; their spread
 FIELDS = ("job", "run_id", "overrides", "status")  # of a job, before its metrics
 REPEATS = ("seed=", "fold=")  # jobs that differ only in these repeat one experiment
@@ -53,31 +53,38 @@ def sweep_job() -> tuple[Path, str] | None:
     return None
 
 
-def earlier_run(output_dir: Path) -> dict[str, Any] | None:
-    """What an earlier run of this sweep job left in its folder (``{"overrides"}``, and
-    ``"result"`` once it finished); None for a first run or outside a sweep."""
-    job, path = sweep_job(), output_dir / JOB_FILE
-    if job is None or not path.is_file():
+def same_job_again(ckpt_path: str | None) -> bool:
+    """Whether a job run again in its folder with the same overrides is the same job: a sweep's
+    job, or one with ``ckpt_path=auto`` (its command, run again after any stop)."""
+    return sweep_job() is not None or ckpt_path == "auto"
+
+
+def earlier_run(output_dir: Path, ckpt_path: str | None) -> dict[str, Any] | None:
+    """What an earlier run of this job left in its folder (``{"overrides"}``, and ``"result"``
+    once it finished); None for a first run, or for a single job with other overrides (more
+    epochs, say: ``ckpt_path=auto`` then resumes)."""
+    path = output_dir / JOB_FILE
+    if not same_job_again(ckpt_path) or not path.is_file():
         return None
     earlier = json.loads(path.read_text())
-    if earlier["overrides"] != list(HydraConfig.get().overrides.task):
-        raise SweepError(
-            f"{output_dir} holds sweep job {job[1]} of another sweep "
-            f"({' '.join(earlier['overrides'])}); run this one in a new folder (leave out "
-            "hydra.sweep.dir) or run that sweep's command again"
-        )
-    return earlier
+    if earlier["overrides"] == list(HydraConfig.get().overrides.task):
+        return earlier
+    if (job := sweep_job()) is None:
+        return None
+    raise SweepError(
+        f"{output_dir} holds sweep job {job[1]} of another sweep "
+        f"({' '.join(earlier['overrides'])}); run this one in a new folder (leave out "
+        "hydra.sweep.dir) or run that sweep's command again"
+    )
 
 
 @rank_zero_only
-def record_job(output_dir: Path, **result: float | None) -> None:
-    """A sweep job's overrides in its folder once it starts, and ``result=`` once it finished:
-    run again in its folder, it resumes, or is not trained again."""
-    path = output_dir / JOB_FILE
-    if sweep_job() is not None:
-        done = json.loads(path.read_text()) if path.is_file() else {}
+def record_job(output_dir: Path, ckpt_path: str | None, **result: float | None) -> None:
+    """The job's overrides in its folder once it starts, and ``result=`` once it finished: run
+    again in its folder (:func:`same_job_again`), it resumes, or is not trained again."""
+    if same_job_again(ckpt_path):
         overrides = list(HydraConfig.get().overrides.task)
-        write_text_atomically(path, json.dumps({"overrides": overrides, **done, **result}))
+        write_text_atomically(output_dir / JOB_FILE, json.dumps({"overrides": overrides, **result}))
 
 
 def sweep_overrides(folder: Path) -> list[str]:
