@@ -127,6 +127,7 @@ def test_debug_overfit_trains_the_same_batches_every_epoch(tiny_root: Path, tmp_
     assert all(batches == first for batches in by_epoch.values()), "the same batches, same order"
     metrics = read_metrics(run_dir)
     assert metrics["train/samples"] == 64 and metrics["val/samples"] == 64
+    assert metrics["test/samples"] == 64, "2 test batches: overfit_batches alone tests them all"
 
 
 def test_debug_profiler_reports_a_handful_of_steps(tiny_root: Path, tmp_path: Path) -> None:
