@@ -1,15 +1,18 @@
-"""Trainer assembly: callbacks and loggers added by config alone, no machinery edit."""
+"""Trainer assembly: callbacks and loggers added by config alone, no machinery edit; the
+progress bars."""
 
 from pathlib import Path
 
+import lightning.pytorch as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
 
 from src.task import TASK
 from src.template.tracking import build_loggers
-from src.template.trainer import build_callbacks
+from src.template.trainer import RichBar, TqdmBar, build_callbacks
 from tests.conftest import run_entry, tiny_overrides
 from tests.test_config import compose_config
 
@@ -42,3 +45,27 @@ def test_early_stopping_by_config_stops_training(tiny_root: Path, tmp_path: Path
     )  # fmt: skip
     saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["epoch"] == 1, "stopped after the second epoch, of six"
+
+
+class EpochEndLogging(BoringModel):
+    """Logs, as the template's task does, a per-epoch value in ``on_train_epoch_end``."""
+
+    def on_train_epoch_end(self) -> None:
+        self.log("train/epoch_value", float(self.current_epoch), prog_bar=True)
+
+
+@pytest.mark.parametrize("bar", [TqdmBar, RichBar])
+def test_the_progress_bar_ends_showing_the_last_epochs_metrics(bar: type, tmp_path: Path) -> None:
+    """Not the epoch before's (Lightning#19322): the bar's metrics once training ends."""
+    shown = bar()
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, max_epochs=3, limit_train_batches=2, limit_val_batches=1,
+        callbacks=[shown], logger=False, enable_checkpointing=False, enable_model_summary=False,
+    )  # fmt: skip
+    displayed: list[dict] = []
+    get_metrics = shown.get_metrics
+    shown.get_metrics = lambda *args: displayed.append(get_metrics(*args)) or displayed[-1]
+    trainer.fit(EpochEndLogging())
+    assert displayed[-1]["train/epoch_value"] == pytest.approx(2.0), "the last epoch's value"
+    if isinstance(shown, TqdmBar):
+        assert "train/epoch_value=2" in shown.train_progress_bar.postfix

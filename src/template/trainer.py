@@ -73,7 +73,7 @@ def build_callbacks(cfg: DictConfig, monitor: tuple[str, str] | None) -> list[Ca
         LogRankSetup(monitor[0] if monitor else ""),
         StopOnSignal(cfg.callbacks.stop_check_every_n_steps),
     ]
-    bar = {"rich": RichBar, "tqdm": TQDMProgressBar}.get(cfg.callbacks.progress_bar)
+    bar = {"rich": RichBar, "tqdm": TqdmBar}.get(cfg.callbacks.progress_bar)
     callbacks += [bar()] if bar else []
     with as_config_error("callbacks.extra"):
         callbacks += [instantiate(spec) for spec in cfg.callbacks.get("extra", {}).values()]
@@ -101,7 +101,21 @@ def build_callbacks(cfg: DictConfig, monitor: tuple[str, str] | None) -> list[Ca
     return [*callbacks, best, last, MidEpochState(), summary]
 
 
-class RichBar(RichProgressBar):
+class ShowsLastEpoch(Callback):
+    """A progress bar that ends showing the last epoch's metrics: those a LightningModule logs in
+    ``on_train_epoch_end`` reach the bar only after every epoch-end hook (Lightning#19322), so
+    it would show the epoch before's."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.on_train_epoch_end(trainer, pl_module)  # the bar's own refresh of its metrics
+        super().on_train_end(trainer, pl_module)
+
+
+class TqdmBar(ShowsLastEpoch, TQDMProgressBar):
+    pass
+
+
+class RichBar(ShowsLastEpoch, RichProgressBar):
     """Rich's bar, its training row updated at most every 0.1 s and at an epoch's last step:
     Lightning updates it, reading every metric, at every step (30 µs), and Rich redraws the
     screen once a second either way."""
