@@ -60,7 +60,9 @@ def test_stop_signal_on_the_launcher_stops_every_rank(
     job.proc.send_signal(stop)  # the launcher only, as `kill` or a scheduler would
     job.wait(timeout=60)
     assert job.proc.returncode == 128 + stop, job.stderr[-3000:]
-    assert "stopping after the current training step" in (job.run_dir / "train.log").read_text()
+    log = (job.run_dir / "train.log").read_text()
+    assert f"rank 0: {stop.name} received: stopping after the current training step" in log
+    assert f"Stopped: ckpt_path={job.last} continues from here" in job.stderr, job.stderr[-3000:]
     assert_gone(processes)
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "KILLED"

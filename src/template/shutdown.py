@@ -10,12 +10,14 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_only
 
-from src.template.checkpoint import save_last
+from src.template.checkpoint import resume_path, save_last
 from src.template.resume import epoch_finished
 
 log = logging.getLogger(__name__)
@@ -38,8 +40,8 @@ class StopOnSignal(Callback):
         if not (first and self._deferring):
             raise KeyboardInterrupt(self.requested.name)
         log.warning(
-            "%s received: stopping after the current training step, with a checkpoint (again to "
-            "stop now)", self.requested.name,
+            "rank %d: %s received: stopping after the current training step, with a checkpoint "
+            "(again to stop now)", rank_zero_only.rank, self.requested.name,
         )  # fmt: skip
 
     def install(self) -> dict[int, Any]:
@@ -121,6 +123,9 @@ def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
                 before(stop.requested, None)
             # Only rank 0 fails: under srun --kill-on-bad-exit another rank would get it killed.
             code = 128 + (stop.requested or signal.SIGINT) if trainer.global_rank == 0 else 0
+            if code and (last := resume_path("auto", Path(trainer.default_root_dir))):
+                print(f"Stopped: ckpt_path={last} continues from here (docs/resuming.md)",
+                      file=sys.stderr, flush=True)  # fmt: skip
             raise SystemExit(code) from error
         procs = getattr(trainer.strategy.launcher, "procs", None) or []  # none in a rank process
         deadline = time.monotonic() + 1  # a rank's sockets close just before it is reaped
