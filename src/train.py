@@ -3,6 +3,8 @@
 Returns the metric named by ``optimized_metric`` so Hydra sweepers can optimise it.
 """
 
+import re
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -42,6 +44,8 @@ def train(cfg: DictConfig, task: Task) -> float | None:
     # ckpt_path=auto: last.ckpt, if any; a sweep job run again resumes so by default.
     requested = cfg.ckpt_path or ("auto" if earlier is not None else None)
     ckpt_path = checkpoint.resume_path(requested, out)
+    if ckpt_path and Path(ckpt_path).parent == out / "checkpoints":  # Lightning's warning: moot
+        warnings.filterwarnings("ignore", f"Checkpoint directory {re.escape(str(out))}.* is not")
     resume = checkpoint.read_checkpoint(ckpt_path) if ckpt_path else None
     if resume:
         checkpoint.check_fits(resume, model, datamodule, ckpt_path)
