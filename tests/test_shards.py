@@ -91,6 +91,14 @@ def test_prepare_writes_what_the_source_holds_and_refuses_other_data(
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert "holds shards of other data" in refused.stderr + refused.stdout
     assert (shards / "manifest.json").read_text() == before
+    # Too large a validation split: refused, with sizes that fit (as for any dataset).
+    too_large = ShardDataModule("shards", str(shards), batch_size=512, val_size=N_TRAIN)
+    with pytest.raises(
+        DataError,
+        match=rf"for {N_TRAIN} training samples; use e\.g\. data\.val_size=40 "
+        r"data\.batch_size=256",
+    ):
+        too_large.load("fit")
 
 
 def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(

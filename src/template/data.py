@@ -104,11 +104,20 @@ def carve_validation(n: int, hparams: Any) -> tuple[Tensor, Tensor]:
     """(validation, training) indices: the first ``val_size`` of a ``split_seed`` permutation,
     or with ``folds=K``, fold ``fold`` of K equal parts (a sweep over ``data.fold``). Both are
     in index order, the order a sharded copy stores them in (so both sum batches alike), and
-    training keeps the read rows in place (:func:`drop_rows`)."""
+    training keeps the read rows in place (:func:`drop_rows`). Sizes that do not fit are
+    refused with ones that do."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(hparams.split_seed))
-    folds, fold = hparams.get("folds"), hparams.get("fold") or 0
+    folds, fold, val_size = hparams.get("folds"), hparams.get("fold") or 0, hparams.val_size
+    if not folds and not 0 < val_size < n:
+        val = max(1, n // 10)  # suggested, with a batch size that fits what it leaves
+        fix = f"; use e.g. data.val_size={val}" if n > 1 else ""
+        if n > 1 and hparams.batch_size > n - val:
+            fix += f" data.batch_size={fitting_batch(n - val)}"
+        raise DataError(
+            f"data.val_size={val_size} must be in (0, {n}) for {n} training samples{fix}"
+        )
     if not folds:
-        return perm[: hparams.val_size].sort().values, perm[hparams.val_size :].sort().values
+        return perm[:val_size].sort().values, perm[val_size:].sort().values
     if not 2 <= folds <= n or not 0 <= fold < folds:
         raise DataError(
             f"data.folds={folds} data.fold={fold}: use 2 <= folds <= {n} and 0 <= fold < folds, "
@@ -205,16 +214,7 @@ class TensorDataModule(LightningDataModule):
         if self.train_set is not None:  # setup may run more than once
             return
         inputs, targets = self._checked("train")
-        n, val_size = len(targets), self.hparams.val_size
-        if not self.hparams.get("folds") and not 0 < val_size < n:
-            val = max(1, n // 10)  # suggested, with a batch size that fits what it leaves
-            fix = f"; use e.g. data.val_size={val}" if n > 1 else ""
-            if n > 1 and self.hparams.batch_size > n - val:
-                fix += f" data.batch_size={fitting_batch(n - val)}"
-            raise DataError(
-                f"data.val_size={val_size} must be in (0, {n}) for {n} training samples{fix}"
-            )
-        val_idx, train_idx = carve_validation(n, self.hparams)
+        val_idx, train_idx = carve_validation(len(targets), self.hparams)
         transform = self.transform()
         self.val_set = TensorSplit(inputs[val_idx], targets[val_idx], val_idx, transform)
         inputs = drop_rows(inputs, train_idx)  # what read() returned is the split's now

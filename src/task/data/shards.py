@@ -290,13 +290,8 @@ class ShardDataModule(ImageDataModule):
         if self.train_set is not None:
             return
         labels = self._labels("train")
-        n, val_size = len(labels), self.hparams.val_size
-        if not self.hparams.get("folds") and not 0 < val_size < n:
-            raise DataError(
-                f"data.val_size={val_size} must be in (0, {n}) for {n} training samples"
-            )
         # The carve-out of every dataset (src/template/data.py): the same validation samples.
-        val_idx, train_idx = carve_validation(n, self.hparams)
+        val_idx, train_idx = carve_validation(len(labels), self.hparams)
         self.val_set = self._split("train", val_idx, labels)
         self.train_set = self._split("train", train_idx, labels)
 
