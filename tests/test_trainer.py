@@ -1,6 +1,7 @@
 """Trainer assembly: callbacks and loggers added by config alone, no machinery edit; the
 progress bars."""
 
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -12,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
 
 from src.task import TASK
 from src.template.tracking import build_loggers
-from src.template.trainer import RichBar, TqdmBar, build_callbacks
+from src.template.trainer import RichBar, TqdmBar, build_callbacks, build_trainer, check_settings
 from tests.conftest import run_entry, tiny_overrides
 from tests.test_config import compose_config
 
@@ -69,3 +70,15 @@ def test_the_progress_bar_ends_showing_the_last_epochs_metrics(bar: type, tmp_pa
     assert displayed[-1]["train/epoch_value"] == pytest.approx(2.0), "the last epoch's value"
     if isinstance(shown, TqdmBar):
         assert "train/epoch_value=2" in shown.train_progress_bar.postfix
+
+
+def test_a_trainer_warning_is_shown_once_not_again_by_the_trial_build(tmp_path: Path) -> None:
+    """check_settings builds a trial Trainer to run Lightning's checks: its warnings are the real
+    build's, which shows them."""
+    cfg = compose_config("train", ["accelerator=cpu", "trainer.precision=16-mixed"], tmp_path)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        check_settings(cfg, fitting=True)
+        build_trainer(cfg, [], [], fitting=True)
+    amp = [w for w in shown if "AMP with fp16 is not supported on CPU" in str(w.message)]
+    assert len(amp) == 1, [str(w.message) for w in shown]

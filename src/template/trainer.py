@@ -1,6 +1,7 @@
 """Assembles the Lightning ``Trainer`` (hardware, strategy, callbacks) from config."""
 
 import time
+import warnings
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -61,7 +62,12 @@ def check_settings(cfg: DictConfig, fitting: bool) -> int:
         check_count("callbacks.stop_check_every_n_steps", cfg.callbacks.stop_check_every_n_steps, 1)
         per_device_batch_size(cfg.data.batch_size, world)
     # A trial build: Lightning's own checks of the trainer values, before anything is written.
-    with as_config_error("trainer"), quiet("lightning.pytorch.utilities.rank_zero"):
+    # Quiet: the real build says the same (its info lines, its warnings) once.
+    with (
+        as_config_error("trainer"),
+        quiet("lightning.pytorch.utilities.rank_zero"),
+        warnings.catch_warnings(action="ignore"),
+    ):
         build_trainer(cfg, [], [], fitting)
     return world
 
