@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -300,6 +301,46 @@ def test_loader_workers_start_from_a_single_threaded_process(tmp_path: Path) -> 
     inline.setup("fit")
     expected = next(iter(inline.train_dataloader()))
     assert all(torch.equal(a, b) for a, b in zip(first, expected, strict=True))
+
+
+KILLED_WITH_WORKERS = """
+import os, signal, sys
+import psutil
+from tests.test_data import make_module
+dm = make_module(sys.argv[1], num_workers=2)
+dm.setup("fit")
+batches = iter(dm.train_dataloader())
+next(batches)
+with open(sys.argv[2], "w") as out:  # not stdout: orphans would hold its pipe open
+    print(*(p.pid for p in psutil.Process().children(recursive=True)), file=out)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+def test_loader_workers_end_with_a_killed_rank(tmp_path: Path) -> None:
+    """Their forkserver and they kept each other alive after the rank died (their parent is the
+    forkserver, which torch's check of a worker's parent watched), forever, holding memory."""
+    make_dataset(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(PROJECT)}
+    pids = tmp_path / "pids.txt"
+    rank = subprocess.run(
+        [sys.executable, "-c", KILLED_WITH_WORKERS, str(tmp_path), str(pids)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, timeout=120,
+    )  # fmt: skip
+    assert rank.returncode == -9 and pids.is_file(), "the rank read a batch, then was killed"
+    started = pids.read_text().split()
+    assert len(started) == 4, "a forkserver, its two workers and the resource tracker"
+    _, alive = psutil.wait_procs(running(map(int, started)), timeout=30)
+    assert not alive, f"outlived the rank: {[p.cmdline()[-1][:60] for p in alive]}"
+
+
+def running(pids: Iterator[int]) -> list[psutil.Process]:
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found.append(psutil.Process(pid))
+    return found
 
 
 def test_device_resident_loaders_give_the_same_batches(tmp_path: Path) -> None:

@@ -5,11 +5,16 @@
 import copy
 import hashlib
 import multiprocessing
+import os
+import threading
+from functools import partial
 from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch import Tensor, nn
@@ -25,6 +30,23 @@ def worker_context(dataset: Dataset) -> BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([type(dataset).__module__])  # before its first start only
     return context
+
+
+def watch_rank_and_seed(worker_id: int, rank: int) -> None:
+    """worker_init_fn: end the loader worker when its rank process dies, and seed it as Lightning
+    does after ``seed_everything(workers=True)`` (it adds none to a loader that has one). Torch
+    ends a worker whose parent died, but a forkserver worker's parent is the forkserver, which
+    its workers keep alive: after a SIGKILLed rank both would live on, holding memory."""
+    rank_process = multiprocessing.parent_process()
+    if rank_process is not None:
+        threading.Thread(target=exit_after, args=(rank_process,), daemon=True).start()
+    if int(os.environ.get("PL_SEED_WORKERS", 0)):
+        pl_worker_init_function(worker_id, rank)
+
+
+def exit_after(process: BaseProcess) -> None:
+    process.join()
+    os._exit(1)
 
 
 class DataError(RuntimeError):
@@ -246,6 +268,7 @@ class TensorDataModule(LightningDataModule):
             num_workers=workers,
             persistent_workers=workers > 0,
             multiprocessing_context=worker_context(dataset) if workers else None,
+            worker_init_fn=partial(watch_rank_and_seed, rank=self._world()[1]),
             # Only a GPU benefits; Lightning then copies pinned batches with non_blocking=True.
             pin_memory=self.hparams.pin_memory and on_gpu and not resident,
             collate_fn=keep_batch,
