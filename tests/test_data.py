@@ -8,6 +8,7 @@ import functools
 import hashlib
 import http.server
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from torch.utils.data import DataLoader
 from src.task.data.images import Normalize
 from src.task.data.mnist import DATASETS, FILES, MNISTDataModule, download, load_split, read_idx
 from src.template.data import Batch, DataError, TensorSplit, drop_rows, keep_batch
-from tests.conftest import PROJECT
+from tests.conftest import PROJECT, process_group
 from tests.idx_data import idx_bytes, make_dataset, write_idx
 from tests.real_data import DATA_DIR_ENV, real_data_dir
 
@@ -305,14 +306,11 @@ def test_loader_workers_start_from_a_single_threaded_process(tmp_path: Path) -> 
 
 KILLED_WITH_WORKERS = """
 import os, signal, sys
-import psutil
 from tests.test_data import make_module
 dm = make_module(sys.argv[1], num_workers=2)
 dm.setup("fit")
 batches = iter(dm.train_dataloader())
-next(batches)
-with open(sys.argv[2], "w") as out:  # not stdout: orphans would hold its pipe open
-    print(*(p.pid for p in psutil.Process().children(recursive=True)), file=out)
+next(batches)  # from one of its two workers
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -323,24 +321,17 @@ def test_loader_workers_end_with_a_killed_rank(tmp_path: Path) -> None:
     forkserver, which torch's check of a worker's parent watched), forever, holding memory."""
     make_dataset(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(PROJECT)}
-    pids = tmp_path / "pids.txt"
-    rank = subprocess.run(
-        [sys.executable, "-c", KILLED_WITH_WORKERS, str(tmp_path), str(pids)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, timeout=120,
+    rank = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WITH_WORKERS, str(tmp_path)], env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
-    assert rank.returncode == -9 and pids.is_file(), "the rank read a batch, then was killed"
-    started = pids.read_text().split()
-    assert len(started) == 4, "a forkserver, its two workers and the resource tracker"
-    _, alive = psutil.wait_procs(running(map(int, started)), timeout=30)
-    assert not alive, f"outlived the rank: {[p.cmdline()[-1][:60] for p in alive]}"
-
-
-def running(pids: Iterator[int]) -> list[psutil.Process]:
-    found = []
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            found.append(psutil.Process(pid))
-    return found
+    try:
+        assert rank.wait(timeout=120) == -9, "the rank read a batch, then was killed"
+        _, alive = psutil.wait_procs(process_group(rank.pid), timeout=30)
+        assert not alive, f"outlived the rank: {[p.cmdline()[-1][:60] for p in alive]}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rank.pid, signal.SIGKILL)  # what the rank left, if the test fails
 
 
 def test_device_resident_loaders_give_the_same_batches(tmp_path: Path) -> None:
