@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 
-.PHONY: help install train test test-slow test-fast lint format ui clean
+.PHONY: help install train test test-full test-slow lint format ui clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -16,14 +16,14 @@ install:  ## create .venv and install the project with the pinned versions (as t
 train:  ## train with the defaults; pass overrides as ARGS="data=fashion_mnist devices=2"
 	$(PY) -m src.train $(ARGS)
 
-test:  ## the whole test suite (what CI runs)
+test:  ## the daily set: every module, slow end-to-end jobs left out (a few minutes)
 	$(PY) -m pytest
 
-test-fast:  ## the tests that start no training process
-	$(PY) -m pytest -m "not slow"
+test-full:  ## everything, 3 tests at a time (what CI runs after the daily set)
+	$(PY) -m pytest --full -n 3
 
-test-slow:  ## only the end-to-end tests: real jobs, DDP, sweeps, MLflow server, notebooks
-	$(PY) -m pytest -m slow
+test-slow:  ## only the end-to-end tests: real jobs, DDP, sweeps, clusters, servers, notebooks
+	$(PY) -m pytest -m slow -n 3
 
 lint:  ## ruff, formatting, notebooks stripped, YAML/TOML, Dockerfile (pre-commit)
 	$(BIN)/pre-commit run --all-files

@@ -27,6 +27,43 @@ LONG_VALUE = "long" * 100  # longer than the 250 characters Lightning's MLflow l
 N_TRAIN, N_TEST, VAL_SIZE = 403, 131, 67
 
 
+DAILY = pytest.StashKey[bool]()  # whether this run is the daily set
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="run the slow end-to-end tests too (what CI runs); naming a path or -m does as well",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``python -m pytest`` alone runs the daily set: every test but those marked slow (real
+    training jobs, clusters, servers, browsers). ``--full``, a path (``tests/test_slurm.py``,
+    one test's id) or a ``-m`` expression of your own runs what it names, slow tests included.
+    xdist's workers parse the same command line, so they decide alike."""
+    named = config.args_source != pytest.Config.ArgsSource.TESTPATHS
+    if not (config.getoption("full") or config.option.markexpr or named):
+        config.option.markexpr = "not slow"
+        config.stash[DAILY] = True
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """In parallel runs (``-n``), the tests that inspect the session's ``trained`` job run on one
+    worker, so it trains once (a session fixture is per worker)."""
+    for item in items:
+        if "trained" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("trained"))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if config.stash.get(DAILY, False):
+        return "daily set: slow end-to-end tests left out (python -m pytest --full -n 3 runs all)"
+    return "slow end-to-end tests included"
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data root holding a learnable MNIST-format dataset (403 train, 131 test images)."""

@@ -60,7 +60,7 @@ def test_makefile_lists_its_targets() -> None:
         "install",
         "train",
         "test",
-        "test-fast",
+        "test-full",
         "test-slow",
         "lint",
         "format",
