@@ -351,8 +351,9 @@ def test_torchrun_from_a_fresh_store_matches_two_devices(
 def test_a_dead_rank_ends_the_torchrun_job_within_seconds(tiny_root: Path, tmp_path: Path) -> None:
     train = ["-m", "src.train", *tiny_overrides(tiny_root), "trainer.max_epochs=500"]
     train += ["strategy=ddp", "devices=2", "hydra.run.dir=run"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-               f"--master-port={free_port()}", *train]  # fmt: skip
+    # --standalone: the rendezvous binds a port the OS chooses (tests may run in parallel).
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += train
     env = {**os.environ, "PYTHONPATH": str(PROJECT)}
     torchrun = subprocess.Popen(
         command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

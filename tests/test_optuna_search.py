@@ -11,7 +11,8 @@ from optuna.trial import TrialState
 from tests.conftest import run_entry
 from tests.test_sweeps import runs_by_job, sweep_folders, sweep_overrides
 
-pytestmark = pytest.mark.slow
+# In parallel runs (-n), one worker runs this module: its tests share the resumed search.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("optuna-search")]
 
 STUDY = "convnet-mnist"  # convnet-${data.name}
 

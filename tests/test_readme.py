@@ -670,6 +670,17 @@ def run_pre_commit_install(
     assert "pre-commit" in (workdir / ".git" / "hooks" / "pre-commit").read_text()
 
 
+def run_pytest(command: ReadmeCommand, workdir: Path, request: pytest.FixtureRequest) -> None:
+    """``python -m pytest tests/...`` (one file, one test) from the project root, as typed: what
+    it names runs, slow tests included, and passes."""
+    proc = run_job(executable(list(command.tokens)), cwd=PROJECT, env=command_env())
+    check_log(proc)
+    counts = re.search(r"(\d+) passed", proc.stdout)
+    assert counts and "deselected" not in proc.stdout, proc.stdout[-3000:]
+    if "::" in command.text:
+        assert counts.group(1) == "1", proc.stdout[-3000:]
+
+
 def slurm_running() -> None:
     """The live local SLURM cluster, started if it is not (as tests/test_slurm.py does)."""
     if (
@@ -751,6 +762,7 @@ RUNNERS: dict[str, Runner] = {
     r"^python3? -m src\.register\b": run_register,
     r"^make (help|lint)$": run_make,  # others build, train or delete: a new one needs a look
     r"^pre-commit install$": run_pre_commit_install,
+    r"^python -m pytest tests/": run_pytest,
     r"^sbatch --gpus-per-node=0 slurm/train\.sbatch$": run_sbatch_train,
     r"^sbatch --gpus-per-node=0 slurm/eval\.sbatch\b": run_sbatch_eval,
 }
@@ -808,10 +820,31 @@ def readme_checkpoint(
     return checkpoint
 
 
+def shared_with_others(command: ReadmeCommand) -> list[pytest.MarkDecorator]:
+    """An xdist group for a command whose test shares a session fixture's job (a checkpoint, the
+    served model) or the SLURM cluster with others: in parallel runs (-n) one worker runs them
+    all, so each such job runs once, and SLURM jobs one at a time (as in tests/test_slurm.py)."""
+    if command.tokens[0] == "sbatch":
+        group = "slurm"
+    elif command.text.startswith(("mlflow models serve", "curl")):
+        group = "served-model"
+    elif needs_checkpoint(command.tokens):
+        group = f"checkpoint-{override(list(command.tokens), 'data') or 'default'}"
+    else:
+        return []
+    return [pytest.mark.xdist_group(group)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "command", [pytest.param(c, id=f"{'+'.join(SHOWN[c])}: {command_id(c.text)}") for c in COMMANDS]
-)  # fmt: skip
+    "command",
+    [
+        pytest.param(
+            c, id=f"{'+'.join(SHOWN[c])}: {command_id(c.text)}", marks=shared_with_others(c)
+        )
+        for c in COMMANDS
+    ],
+)
 def test_readme_command(
     command: ReadmeCommand, readme_data: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:

@@ -25,6 +25,8 @@ from tests.test_train import EPOCH_METRICS, assert_same_tensors
 EPOCHS = 3
 STEPS_PER_EPOCH = (N_TRAIN - VAL_SIZE) // 32  # 10: batch 32 of the tiny dataset
 SIGNAL_AT_STEP = PROJECT / "tests" / "signal_at_step"
+# In parallel runs (-n), one worker runs this module: its tests share the reference jobs.
+pytestmark = pytest.mark.xdist_group("resume")
 
 
 def overrides(tiny_root: Path, devices: int) -> list[str]:

@@ -43,6 +43,8 @@ RECORDER = PROJECT / "tests" / "record_batches"
 AUGMENT = "data.augment={crop_scale:[0.6,1.0],flip:true,jitter:0.3}"
 # Networks without per-rank state (BatchNorm statistics, dropout masks), as test_distributed.
 SMALL = ["model.net.batch_norm=false", "model.net.dropout=0", "logger=none"]
+# In parallel runs (-n), one worker runs this module: its tests share the converted shards.
+pytestmark = pytest.mark.xdist_group("shards")
 
 
 def prepare(data_root: Path, out: Path, cwd: Path, *more: str, check: bool = True):

@@ -30,6 +30,9 @@ from tests.test_readme import arguments, page_command
 SBATCH = PROJECT / "slurm" / "train.sbatch"
 EVAL_SBATCH = PROJECT / "slurm" / "eval.sbatch"
 INSTRUMENT = PROJECT / "tests" / "signal_at_step"
+# In parallel runs (-n), one worker runs these, and the README's sbatch commands: they share the
+# cluster's two nodes and its queue, and the time limits below assume a job starts at once.
+pytestmark = pytest.mark.xdist_group("slurm")
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,8 @@ LEFT_OUT = {".git", ".venv", "outputs", "data", "mlruns", "mlartifacts", "wheelh
 N_TEST, VAL_SIZE, FEATURES = 73, 43, 8
 TINY = ["trainer.max_epochs=2", "callbacks.progress_bar=none"]
 SHOWN = 5  # test vectors sent to the served model
+# In parallel runs (-n), one worker runs this module: its tests share the copy and its job.
+pytestmark = pytest.mark.xdist_group("task-contract")
 
 
 def leave_out(folder: str, names: list[str]) -> list[str]:
@@ -99,7 +101,7 @@ def test_only_the_task_and_its_configs_change(project: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def trained(project: Path) -> Path:
+def regression_run(project: Path) -> Path:
     """One training job on 1 rank with the defaults: MLflow in the copy's ./mlflow.db."""
     run_dir = project / "runs" / "one-rank"
     run(project, "train", *TINY, f"hydra.run.dir={run_dir}")
@@ -122,12 +124,12 @@ def assert_same_metrics(metrics: dict[str, float], expected: dict[str, float]) -
 
 
 @pytest.mark.slow
-def test_two_ranks_train_as_one(project: Path, trained: Path) -> None:
-    one = read_metrics(trained)
+def test_two_ranks_train_as_one(project: Path, regression_run: Path) -> None:
+    one = read_metrics(regression_run)
     assert {"train/loss", "train/mae", "val/loss", "test/loss", "test/mae"} <= one.keys()
     assert one["test/samples"] == N_TEST and one["val/samples"] == VAL_SIZE
     assert one["test/loss"] < 2.0, "it learned: the test targets' variance is 8.8"
-    assert (trained / "figures" / "predicted_vs_target_test.png").stat().st_size > 0
+    assert (regression_run / "figures" / "predicted_vs_target_test.png").stat().st_size > 0
     two = project / "runs" / "two-ranks"
     run(project, "train", *TINY, "strategy=ddp", "devices=2", "logger=none",
         f"hydra.run.dir={two}")  # fmt: skip
@@ -135,8 +137,8 @@ def test_two_ranks_train_as_one(project: Path, trained: Path) -> None:
 
 
 @pytest.mark.slow
-def test_eval_on_one_and_two_ranks(project: Path, trained: Path) -> None:
-    ckpt = best_checkpoint(trained)
+def test_eval_on_one_and_two_ranks(project: Path, regression_run: Path) -> None:
+    ckpt = best_checkpoint(regression_run)
     results = {}
     for devices in (1, 2):
         out = project / "runs" / f"eval{devices}"
@@ -145,7 +147,7 @@ def test_eval_on_one_and_two_ranks(project: Path, trained: Path) -> None:
         results[devices] = read_metrics(out)
     assert results[1]["test/samples"] == N_TEST
     assert_same_metrics(results[2], results[1])
-    tested = {k: v for k, v in read_metrics(trained).items() if k.startswith("test/")}
+    tested = {k: v for k, v in read_metrics(regression_run).items() if k.startswith("test/")}
     assert_same_metrics(results[1], tested)  # the job tested the same best checkpoint
 
 
@@ -161,12 +163,13 @@ def synthetic_test_split(project: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.slow
-def test_predict_and_the_served_model_agree(project: Path, trained: Path) -> None:
+def test_predict_and_the_served_model_agree(project: Path, regression_run: Path) -> None:
     """src.predict on 2 ranks writes the regression's own columns for every test sample once,
     in index order; the job's MLflow model (float32 vectors in, a prediction out), served by
     ``mlflow models serve``, predicts the same values."""
     out = project / "runs" / "predict"
-    run(project, "predict", f"ckpt_path={best_checkpoint(trained)}", "strategy=ddp", "devices=2",
+    ckpt = best_checkpoint(regression_run)
+    run(project, "predict", f"ckpt_path={ckpt}", "strategy=ddp", "devices=2",
         "callbacks.progress_bar=none", f"hydra.run.dir={out}")  # fmt: skip
     with (out / "predictions_test.csv").open() as file:
         reader = csv.DictReader(file)
@@ -179,7 +182,7 @@ def test_predict_and_the_served_model_agree(project: Path, trained: Path) -> Non
     assert read_metrics(out)["predict/samples"] == N_TEST
 
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    run_id = (trained / "mlflow_run_id.txt").read_text().strip()
+    run_id = (regression_run / "mlflow_run_id.txt").read_text().strip()
     experiment = client.get_experiment_by_name("synthetic").experiment_id
     (model,) = client.search_logged_models([experiment], f"source_run_id = '{run_id}'")
     assert str(model.status) == "READY"
