@@ -1,4 +1,5 @@
-"""``python -m src.eval`` on the checkpoint of the shared training job."""
+"""``python -m src.eval`` on the checkpoint of the shared training job (the first test is in the
+daily set: eval runs end to end there)."""
 
 from pathlib import Path
 
@@ -6,8 +7,6 @@ import pytest
 import torch
 
 from tests.conftest import N_TEST, VAL_SIZE, only_run, read_metrics, run_entry
-
-pytestmark = pytest.mark.slow
 
 
 def best_checkpoint(run_dir: Path) -> Path:
@@ -40,6 +39,7 @@ def test_eval_reproduces_the_training_jobs_test_metrics(
     assert metrics["test/loss"] == pytest.approx(trained_metrics["test/loss"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_eval_is_an_mlflow_run_linked_to_its_training_run(
     trained: dict[str, Path], tiny_root: Path
 ) -> None:
@@ -54,6 +54,7 @@ def test_eval_is_an_mlflow_run_linked_to_its_training_run(
     assert run.data.metrics["test/acc"] == read_metrics(trained["run_dir"])["test/acc"]
 
 
+@pytest.mark.slow
 def test_eval_on_the_validation_split(
     trained: dict[str, Path], tiny_root: Path, tmp_path: Path
 ) -> None:
@@ -65,6 +66,7 @@ def test_eval_on_the_validation_split(
     assert metrics["val/acc"] == read_metrics(trained["run_dir"])["val/acc_best"]
 
 
+@pytest.mark.slow
 def test_eval_refuses_a_checkpoint_of_another_dataset(
     trained: dict[str, Path], tiny_root: Path, tmp_path: Path
 ) -> None:
@@ -81,12 +83,14 @@ def test_eval_refuses_a_checkpoint_of_another_dataset(
     assert "was trained on mnist but data=fashion_mnist; add data=mnist" in proc.stderr
 
 
+@pytest.mark.slow
 def test_eval_without_checkpoint_says_what_to_pass(tmp_path: Path) -> None:
     proc = run_entry("eval", "logger=none", cwd=tmp_path, check=False)
     assert proc.returncode != 0
     assert "ckpt_path is required" in proc.stderr
 
 
+@pytest.mark.slow
 def test_eval_loads_a_checkpoint_written_before_newer_config_keys(
     trained: dict[str, Path], tiny_root: Path, tmp_path: Path
 ) -> None:

@@ -1,4 +1,5 @@
-"""``python -m src.predict`` writes one CSV row per sample, in dataset order."""
+"""``python -m src.predict`` writes one CSV row per sample, in dataset order (in the daily set:
+predict runs end to end there)."""
 
 import csv
 from pathlib import Path
@@ -9,8 +10,6 @@ import pytest
 from src.task.data.mnist import DATASETS, load_split
 from tests.conftest import N_TEST, read_metrics, run_entry
 from tests.test_eval import best_checkpoint
-
-pytestmark = pytest.mark.slow
 
 
 def test_predict_writes_every_test_sample_in_order(

@@ -1,4 +1,6 @@
-"""End-to-end: ``python -m src.train`` on a tiny generated dataset, as a subprocess."""
+"""End-to-end: ``python -m src.train`` on a tiny generated dataset, as a subprocess. The checks of
+the session's one ``trained`` job are in the daily set (``python -m pytest``): the main job runs
+end to end there; the tests that start jobs of their own are slow."""
 
 import contextlib
 import csv
@@ -25,8 +27,6 @@ from tests.conftest import (
     run_entry,
     tiny_overrides,
 )
-
-pytestmark = pytest.mark.slow
 
 
 def test_train_reports_exact_metrics(trained: dict[str, Path]) -> None:
@@ -132,6 +132,7 @@ def test_mlflow_artifacts_and_dataset_inputs(trained: dict[str, Path], tmp_path:
     assert all(len(d.dataset.digest) == 32 for d in run.inputs.dataset_inputs)
 
 
+@pytest.mark.slow
 def test_train_resumes_at_the_next_epoch_with_its_best_metric(
     trained: dict[str, Path], tiny_root: Path, tmp_path: Path
 ) -> None:
@@ -160,6 +161,7 @@ def test_train_resumes_at_the_next_epoch_with_its_best_metric(
     assert (saved["epoch"], saved["global_step"]) == (2, 3 * batches_per_epoch)
 
 
+@pytest.mark.slow
 def test_failing_run_is_marked_failed(tiny_root: Path, tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "checkpoints").write_text("a file where checkpoints should go")
@@ -220,6 +222,7 @@ def wait_for_metric(store: Path, key: str, timeout: float = 60) -> None:
     pytest.fail(f"no {key} in {store} after {timeout} s")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [2])  # 1 rank: tests/test_resume.py
 def test_resume_after_a_kill_equals_an_uninterrupted_run(
     devices: int, tiny_root: Path, tmp_path: Path
@@ -270,6 +273,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(
         assert values == pytest.approx([v for _, v in points], rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_resume_starts_a_new_run_when_asked(tiny_root: Path, tmp_path: Path) -> None:
     overrides = [*tiny_overrides(tiny_root), "trainer.max_epochs=1"]
     run_entry("train", *overrides, f"hydra.run.dir={tmp_path / 'first'}", cwd=tmp_path)
@@ -289,6 +293,7 @@ def test_resume_starts_a_new_run_when_asked(tiny_root: Path, tmp_path: Path) -> 
     assert steps == [1], "the new run holds the epochs trained after the checkpoint"
 
 
+@pytest.mark.slow
 def test_missing_data_is_one_short_error(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     proc = run_entry(
