@@ -11,14 +11,16 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.task import TASK
 from src.task.model import ImageClassifier
 from src.task.nets.convnet import ConvNet
-from src.template.config import check_keys, check_sections, flatten
+from src.template.config import check_keys, check_sections, describe_config_error, flatten
 from src.template.distributed import check_devices
+from src.template.entry import SET_ELSEWHERE
 from src.template.sweeps import register_resolvers
 from src.template.tracking import build_loggers
 from src.template.trainer import build_callbacks, build_trainer, check_settings
@@ -121,6 +123,38 @@ def test_check_keys_names_the_valid_keys_and_a_near_miss() -> None:
     )
     with pytest.raises(ConfigError, match="model.num_classes is set from the data; remove"):
         check_keys("model", {"num_classes": 3}, ImageClassifier, set_by={"num_classes": "the data"})
+
+
+def refusal(override: str) -> str:
+    """The line an entry point shows for a command-line ``override`` Hydra refuses."""
+    register_resolvers()
+    with (
+        initialize_config_dir(config_dir=str(CONF), version_base="1.3"),
+        pytest.raises(HydraException) as info,
+    ):
+        compose("train", overrides=[override])
+    return describe_config_error(info.value, SET_ELSEWHERE)
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("mdoel.lr=0.1", "mdoel.lr is not a config key (did you mean model.lr?); top-level keys"),
+        ("dat.root=/x", "dat.root is not a config key (did you mean data.root?); top-level keys"),
+        ("model.lrr=1", "model.lrr is not a config key (did you mean model.lr?); model has: "),
+        ("modle.net.hidden=8", "(did you mean model.net.hidden?)"),
+        (
+            "trainer.acumulate_grad_batches=2",
+            "trainer.acumulate_grad_batches is not a config key (did you mean "
+            "trainer.accumulate_grad_batches?); trainer has: accumulate_grad_batches, barebones,",
+        ),
+        ("trainer.devices=2", "trainer.devices is set from the top-level key devices; remove"),
+        ("trainer.logger=false", "trainer.logger is set from the logger group (logger=mlflow|"),
+    ],
+)
+def test_an_unknown_key_is_one_line_with_the_nearest_key(override: str, line: str) -> None:
+    shown = refusal(override)
+    assert "\n" not in shown and line in shown, shown
 
 
 @pytest.mark.parametrize("devices", [1, 3, "auto"])
