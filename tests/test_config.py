@@ -150,6 +150,11 @@ def refusal(override: str) -> str:
         ),
         ("trainer.devices=2", "trainer.devices is set from the top-level key devices; remove"),
         ("trainer.logger=false", "trainer.logger is set from the logger group (logger=mlflow|"),
+        (
+            "+trainer.max_steps=14",  # a Trainer argument that needed + before every one was a key
+            "+trainer.max_steps: it is already a config key; set it without +: "
+            "trainer.max_steps=14",
+        ),
     ],
 )
 def test_an_unknown_key_is_one_line_with_the_nearest_key(override: str, line: str) -> None:
