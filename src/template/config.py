@@ -31,13 +31,10 @@ def describe_config_error(error: Exception, set_by: Mapping[str, str] | None = N
             f"{error.override} is not a valid override ({reason}); the form is key=value, "
             "quoted for the shell where it holds brackets or spaces: 'key=[1,2]'"
         )
-    if there := re.match(
-        r"Could not append to config\. An item is already at '([^']+)'", str(error)
-    ):
-        fix = re.search(r"remove \+ prefix: '([^']+)'", str(error))
-        return f"+{there.group(1)}: it is already a config key; set it without +" + (
-            f": {fix.group(1)}" if fix else ""
-        )
+    already = r"An item is already at '([^']+)'.*remove \+ prefix: '([^']+)'"  # +key on a key
+    if there := re.search(already, str(error), re.DOTALL):
+        key, plain = there.groups()
+        return f"+{key}: it is already a config key; set it without +: {plain}"
     typed = re.match(r"Could not override '([^']+)'", str(error))
     parent = getattr(error.__cause__, "parent_node", None)
     if typed and isinstance(parent, DictConfig):

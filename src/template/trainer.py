@@ -179,7 +179,8 @@ def build_trainer(
             find_unused_parameters=ddp.find_unused_parameters,
             timeout=timedelta(seconds=ddp.timeout_s),
         )
-    settings = {"profiler": None, **OmegaConf.to_container(cfg.trainer, resolve=True)}
+    settings = OmegaConf.to_container(cfg.trainer, resolve=True)
+    settings["profiler"] = settings.get("profiler") or NoProfiler()  # null: no cost per hook
     return L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
@@ -192,5 +193,5 @@ def build_trainer(
         enable_model_summary=False,  # ModelSummaryFile
         default_root_dir=cfg.paths.output_dir,
         plugins=[AtomicCheckpointIO(), *srun],
-        **{**settings, "profiler": settings["profiler"] or NoProfiler()},
+        **settings,
     )
