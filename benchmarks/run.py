@@ -3,7 +3,7 @@
 Prints one table and writes it as JSON to ``outputs/benchmarks/results.json`` (git-ignored;
 ``--out benchmarks/results.json`` updates the published figures). Each figure is the median
 (min-max) of ``--repeats`` runs; on shared machines the ratios are what matter. Fashion-MNIST is
-read from ``$TEMPLATE_DATA_DIR`` (default ``../shared/data``); without it, rows 6 are skipped.
+read from ``$TEMPLATE_DATA_DIR``; without it, rows 6 are skipped.
 
 1. limit: a plain PyTorch loop over the same ConvNet, data tensors and batch size
 2. template: ``python -m src.train`` itself, in this process (all callbacks, rich progress bar),
@@ -43,10 +43,10 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.data import DataLoader, Dataset
 
-from tests.real_data import DATA_DIR_ENV, real_data_dir
+from tests.real_data import DATA_DIR_ENV, has_real, real_data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = real_data_dir()  # $TEMPLATE_DATA_DIR, else ../shared/data
+SHARED_DATA = real_data_dir()  # $TEMPLATE_DATA_DIR, else None
 DEFAULT_OUT = ROOT / "outputs" / "benchmarks" / "results.json"  # git-ignored
 WARMUP = 3  # steps left out of every throughput figure
 console = Console()
@@ -442,7 +442,7 @@ def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict
     from src.task.data.mnist import MNISTDataModule
     from src.template.data import keep_batch
 
-    real = not tiny and (SHARED_DATA / "FashionMNIST" / "raw").is_dir()
+    real = not tiny and has_real("FashionMNIST")
     if real:
         root, name, val_size = SHARED_DATA, "fashion_mnist", 5000
     else:
@@ -520,7 +520,7 @@ def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict
         rows["6. whole default job, test accuracy"] = summary([accuracy for _, accuracy in jobs])
     else:
         rows["6. whole default job on Fashion-MNIST"] = {
-            "skipped": f"needs Fashion-MNIST in ${DATA_DIR_ENV} ({SHARED_DATA}), not --tiny"
+            "skipped": f"needs Fashion-MNIST in ${DATA_DIR_ENV}, not --tiny"
         }
     # The whole official training split (train + validation): 60,000 images for Fashion-MNIST.
     images = torch.cat([train_set.inputs, datamodule.val_set.inputs])

@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
 KINDS = ("raw", "bare", "template")
 TINY_NET = ["model.net.channels=[4]", "model.net.hidden=8", "model.net.batch_norm=false"]
 # (network overrides, batch, warm-up steps, timed steps) per setting
@@ -233,9 +232,11 @@ def measure(
 
 
 def data_overrides(workdir: Path, tiny: bool) -> list[str]:
-    """Fashion-MNIST from ../shared/data when there and not --tiny; else a generated set."""
-    if not tiny and (SHARED_DATA / "FashionMNIST" / "raw").is_dir():
-        return ["data=fashion_mnist", f"data.root={SHARED_DATA}", "data.download=false"]
+    """Fashion-MNIST from $TEMPLATE_DATA_DIR when there and not --tiny; else a generated set."""
+    from tests.real_data import has_real, real_data_dir
+
+    if not tiny and has_real("FashionMNIST"):
+        return ["data=fashion_mnist", f"data.root={real_data_dir()}", "data.download=false"]
     from tests.idx_data import make_dataset
 
     root = workdir / "step-data"

@@ -36,6 +36,7 @@ def predict(cfg: DictConfig, task: Task) -> Path:
     trainer = build_trainer(cfg, loggers=[], callbacks=callbacks, fitting=False)
     trainer.predict(model, datamodule=datamodule, return_predictions=True)
     reporting.report_metrics(writer.metrics, cfg.paths.output_dir)
+    reporting.show_written("predictions", writer.path)
     # The CSV also goes to the training run the checkpoint came from (if it was tracked).
     tracking.attach_to_source_run(source, writer.path, folder="predictions")
     return writer.path

@@ -72,6 +72,13 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         (["trainer.max_epoch=1"], "trainer.max_epoch is not a config key (did you mean "),
         (["+model.net.chanels=[4,8]"], "(did you mean model.net.channels?); valid keys:"),
         (["+trainer.devices=2"], "trainer.devices is set from the top-level key devices"),
+        (["trainer.devices=2"], "trainer.devices is set from the top-level key devices; remove"),
+        (["mdoel.lr=0.1"], "mdoel.lr is not a config key (did you mean model.lr?); top-level"),
+        (
+            ["trainer.acumulate_grad_batches=2"],
+            "trainer.acumulate_grad_batches is not a config key (did you mean "
+            "trainer.accumulate_grad_batches?); trainer has: accumulate_grad_batches,",
+        ),
         (
             ["data=cifar10"],
             "data=cifar10 is not an option of the 'data' group; options: fashion_mnist, "
@@ -130,6 +137,9 @@ DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
         "near-miss-key",
         "near-miss-appended",
         "key-set-elsewhere",
+        "key-set-elsewhere-typed",
+        "near-miss-section",
+        "near-miss-trainer-argument",
         "unknown-option",
         "unknown-model",
         "override-syntax",

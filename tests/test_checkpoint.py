@@ -20,8 +20,10 @@ from src.template.checkpoint import (
     check_fits,
     load_for_inference,
     read_checkpoint,
+    shorten,
 )
 from src.template.resume import SeedEachBatch, step_seed
+from tests.conftest import PROJECT
 
 NET = {"channels": [8, 16], "hidden": 32, "dropout": 0.25, "batch_norm": True}
 
@@ -66,6 +68,36 @@ def test_read_checkpoint_refuses_what_is_not_one(tmp_path: Path) -> None:
     torch.save({"weights": torch.zeros(2)}, tmp_path / "plain.pt")
     with pytest.raises(CheckpointError, match="not a Lightning checkpoint"):
         read_checkpoint(str(tmp_path / "plain.pt"))
+
+
+class Unsafe:
+    """What weights_only loading refuses: a class of someone's own, pickled."""
+
+
+def test_an_unreadable_file_gets_a_short_whole_reason(tmp_path: Path) -> None:
+    """Not torch's paragraph cut mid-word (it also advises weights_only=False: running the
+    file's code)."""
+    readme = str(PROJECT / "README.md")
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint(readme)
+    assert str(info.value) == (
+        f"ckpt_path={readme} is not a readable checkpoint (not the zip archive torch.save "
+        "writes); pass a .ckpt written by src.train"
+    )
+    torch.save({"state_dict": {}, "object": Unsafe()}, tmp_path / "objects.ckpt")
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint(str(tmp_path / "objects.ckpt"))
+    assert "(it holds more than tensors and plain values: Unsupported global: GLOBAL " in str(
+        info.value
+    )
+    assert "weights_only" not in str(info.value) and "by default); pass a .ckpt" in str(info.value)
+
+
+def test_a_long_reason_is_cut_between_words() -> None:
+    reason = "the archive " + "is damaged beyond repair " * 10
+    cut = shorten(reason)
+    assert len(cut) <= 160 and cut.endswith(" ...")
+    assert reason.startswith(cut.removesuffix(" ...") + " ")  # whole words only
 
 
 def tiny_mnist(root: Path, name: str = "mnist") -> MNISTDataModule:

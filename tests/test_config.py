@@ -2,24 +2,29 @@
 
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.task import TASK
 from src.task.model import ImageClassifier
 from src.task.nets.convnet import ConvNet
-from src.template.config import check_keys, check_sections
+from src.template.config import check_keys, check_sections, describe_config_error, flatten
 from src.template.distributed import check_devices
+from src.template.entry import SET_ELSEWHERE
 from src.template.sweeps import register_resolvers
 from src.template.tracking import build_loggers
 from src.template.trainer import build_callbacks, build_trainer, check_settings
-from tests.conftest import PROJECT
+from tests.conftest import PROJECT, run_entry
 from tests.image_data import make_image_folder
 from tests.shard_data import write_manifest
 
@@ -30,10 +35,10 @@ GROUP_OPTIONS = [
 ]
 
 
-def compose_config(name: str, overrides: list[str], workdir: Path) -> DictConfig:
+def compose_config(name: str, overrides: list[str], workdir: Path, conf: Path = CONF) -> DictConfig:
     """Compose like ``@hydra.main`` does, with the runtime folders a real launch would set."""
     register_resolvers()  # as every entry point does before Hydra composes
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose(name, overrides=overrides, return_hydra_config=True)
     OmegaConf.set_readonly(cfg.hydra, False)
     with open_dict(cfg):
@@ -120,6 +125,43 @@ def test_check_keys_names_the_valid_keys_and_a_near_miss() -> None:
         check_keys("model", {"num_classes": 3}, ImageClassifier, set_by={"num_classes": "the data"})
 
 
+def refusal(override: str) -> str:
+    """The line an entry point shows for a command-line ``override`` Hydra refuses."""
+    register_resolvers()
+    with (
+        initialize_config_dir(config_dir=str(CONF), version_base="1.3"),
+        pytest.raises(HydraException) as info,
+    ):
+        compose("train", overrides=[override])
+    return describe_config_error(info.value, SET_ELSEWHERE)
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("mdoel.lr=0.1", "mdoel.lr is not a config key (did you mean model.lr?); top-level keys"),
+        ("dat.root=/x", "dat.root is not a config key (did you mean data.root?); top-level keys"),
+        ("model.lrr=1", "model.lrr is not a config key (did you mean model.lr?); model has: "),
+        ("modle.net.hidden=8", "(did you mean model.net.hidden?)"),
+        (
+            "trainer.acumulate_grad_batches=2",
+            "trainer.acumulate_grad_batches is not a config key (did you mean "
+            "trainer.accumulate_grad_batches?); trainer has: accumulate_grad_batches, barebones,",
+        ),
+        ("trainer.devices=2", "trainer.devices is set from the top-level key devices; remove"),
+        ("trainer.logger=false", "trainer.logger is set from the logger group (logger=mlflow|"),
+        (
+            "+trainer.max_steps=14",  # a Trainer argument that needed + before every one was a key
+            "+trainer.max_steps: it is already a config key; set it without +: "
+            "trainer.max_steps=14",
+        ),
+    ],
+)
+def test_an_unknown_key_is_one_line_with_the_nearest_key(override: str, line: str) -> None:
+    shown = refusal(override)
+    assert "\n" not in shown and line in shown, shown
+
+
 @pytest.mark.parametrize("devices", [1, 3, "auto"])
 def test_valid_device_counts(devices: object) -> None:
     check_devices("cpu", devices, 1)
@@ -160,3 +202,99 @@ def test_evaluation_takes_a_batch_the_world_does_not_divide(tmp_path: Path) -> N
     assert check_settings(cfg, fitting=False) == 3  # 128 samples split by samples, not refused
     with pytest.raises(Exception, match="must be divisible by the world size 3"):
         check_settings(cfg, fitting=True)
+
+
+# --- this machine's settings: conf/local/default.yaml (git-ignored), never written to conf/ here
+
+ENTRY_CONFIGS = ("train", "eval", "predict", "prepare")
+LOCAL_SETTINGS = """# @package _global_
+paths:
+  data_dir: /datasets/here  # every dataset's data.root
+  log_dir: /scratch/outputs  # output folders
+logger:
+  tracking_uri: http://mlflow.example:5000  # the store
+"""
+
+
+def conf_copy(folder: Path, local: str | None) -> Path:
+    """A copy of conf/ with ``local`` as its conf/local/default.yaml (None: without one)."""
+    conf = folder / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "local" / "default.yaml").unlink(missing_ok=True)  # a developer's own, if any
+    if local is not None:
+        (conf / "local" / "default.yaml").write_text(local)
+    return conf
+
+
+def uncommented_example() -> str:
+    """conf/local/example.yaml with its commented settings switched on."""
+    lines = (CONF / "local" / "example.yaml").read_text().splitlines()
+    settings = [line.removeprefix("# ") for line in lines if re.match(r"# ( *)\w+:", line)]
+    return "# @package _global_\n" + "\n".join(settings) + "\n"
+
+
+@pytest.mark.parametrize("name", ENTRY_CONFIGS)
+def test_local_settings_win_over_the_defaults(name: str, tmp_path: Path) -> None:
+    conf = conf_copy(tmp_path, LOCAL_SETTINGS)
+    for data, folder in (("mnist", ""), ("image_folder", "/image_folder"), ("shards", "/shards")):
+        cfg = compose_config(name, [f"data={data}"], tmp_path, conf)
+        assert cfg.data.root == f"/datasets/here{folder}"  # one setting serves every dataset
+    assert HydraConfig.get().run.dir.startswith(f"/scratch/outputs/{name}/runs/")
+    assert cfg.logger.tracking_uri == "http://mlflow.example:5000"
+
+
+@pytest.mark.parametrize("name", ENTRY_CONFIGS)
+def test_the_command_line_wins_over_local_settings(name: str, tmp_path: Path) -> None:
+    conf = conf_copy(tmp_path, LOCAL_SETTINGS)
+    cfg = compose_config(name, ["paths.data_dir=/typed", "paths.log_dir=typed"], tmp_path, conf)
+    assert cfg.data.root == "/typed"
+    assert HydraConfig.get().run.dir.startswith(f"typed/{name}/runs/")
+    cfg = compose_config(name, ["data.root=/typed/root"], tmp_path, conf)
+    assert cfg.data.root == "/typed/root"
+
+
+@pytest.mark.parametrize("name", ENTRY_CONFIGS)
+def test_without_local_settings_the_defaults_hold(name: str, tmp_path: Path) -> None:
+    cfg = compose_config(name, [], tmp_path, conf_copy(tmp_path, None))
+    assert cfg.data.root == f"{tmp_path}/data"
+    assert HydraConfig.get().run.dir.startswith(f"outputs/{name}/runs/")
+    if name in ("train", "eval"):  # predict logs to none by default, prepare logs nothing
+        assert cfg.logger.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
+    conf = tmp_path / "conf"
+    assert cfg == compose_config(name, ["~local"], tmp_path, conf)  # as without the default
+
+
+def test_the_local_example_composes_and_each_of_its_settings_applies(tmp_path: Path) -> None:
+    plain = compose_config("train", ["local=example"], tmp_path)  # all commented: changes nothing
+    assert plain == compose_config("train", [], tmp_path, conf_copy(tmp_path / "a", None))
+    example = uncommented_example()
+    settings = flatten(yaml.safe_load(example))
+    assert {"paths.data_dir", "paths.log_dir", "logger.tracking_uri"} <= set(settings)
+    cfg = compose_config("train", [], tmp_path, conf_copy(tmp_path / "b", example))
+    for key, value in settings.items():
+        assert key in flatten(OmegaConf.to_container(plain)), f"{key}: not a config key"
+        assert OmegaConf.select(cfg, key) == value, key
+
+
+def test_local_settings_are_not_committed() -> None:
+    if not (PROJECT / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", "conf/local/default.yaml"], cwd=PROJECT, check=False
+    )
+    assert ignored.returncode == 0, "conf/local/default.yaml must be git-ignored"
+
+
+@pytest.mark.slow
+def test_every_entry_point_reads_local_settings(tmp_path: Path) -> None:
+    """``python -m src.<entry> --cfg job`` in a copy of the project with conf/local/default.yaml."""
+    copy = tmp_path / "project"
+    for folder in ("src", "conf", "hydra_plugins"):
+        shutil.copytree(PROJECT / folder, copy / folder, ignore=shutil.ignore_patterns("__py*"))
+    (copy / "conf" / "local" / "default.yaml").unlink(missing_ok=True)
+    (copy / "conf" / "local" / "default.yaml").write_text(LOCAL_SETTINGS)
+    for name in ENTRY_CONFIGS:
+        proc = run_entry(name, "--cfg", "job", cwd=copy, env={"PYTHONPATH": str(copy)})
+        assert "data_dir: /datasets/here" in proc.stdout, proc.stdout
+        assert "log_dir: /scratch/outputs" in proc.stdout
+        assert "tracking_uri: http://mlflow.example:5000" in proc.stdout

@@ -30,7 +30,7 @@ from tests.conftest import PROJECT, process_group
 from tests.idx_data import idx_bytes, make_dataset, write_idx
 from tests.real_data import DATA_DIR_ENV, real_data_dir
 
-SHARED_DATA = real_data_dir()  # $TEMPLATE_DATA_DIR, else ../shared/data
+SHARED_DATA = real_data_dir()  # $TEMPLATE_DATA_DIR, else None
 
 
 # --- helpers
@@ -426,6 +426,11 @@ def test_hparams_load_with_weights_only(tmp_path: Path) -> None:
 
 
 def _require(folder: str, *names: str) -> None:
+    if SHARED_DATA is None:
+        pytest.skip(
+            f"real data not available: set {DATA_DIR_ENV} to a folder that holds {folder}/raw/ "
+            "(torchvision's raw layout)"
+        )
     raw = SHARED_DATA / folder / "raw"
     absent = [n for n in names if not (raw / f"{n}.gz").exists() and not (raw / n).exists()]
     if absent:
@@ -435,17 +440,32 @@ def _require(folder: str, *names: str) -> None:
         )
 
 
-def test_real_data_folder_is_taken_from_the_environment(tmp_path: Path) -> None:
-    """The real-data tests look where TEMPLATE_DATA_DIR says, and skip naming that folder."""
-    env = {**os.environ, DATA_DIR_ENV: str(tmp_path), "PYTHONPATH": str(PROJECT)}
+def real_data_skip(env: dict[str, str]) -> str:
+    """Why test_real_fashion_mnist skips in a pytest run with ``env``: its -rs reason."""
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", f"{__file__}::test_real_fashion_mnist", "-rs", "-p",
          "no:cacheprovider"],
-        cwd=PROJECT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=PROJECT, env={**env, "PYTHONPATH": str(PROJECT)}, capture_output=True, text=True,
+        timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-2000:]
-    assert f"{tmp_path / 'FashionMNIST' / 'raw'} lacks" in proc.stdout.replace("\n", "")
-    assert f"set {DATA_DIR_ENV} to a folder" in proc.stdout
+    unwrapped = " ".join(proc.stdout.split())
+    return unwrapped.partition("real data not available: ")[2].partition(" ===")[0]
+
+
+def test_real_data_folder_is_taken_from_the_environment(tmp_path: Path) -> None:
+    """The real-data tests look where TEMPLATE_DATA_DIR says, and skip naming that folder."""
+    reason = real_data_skip({**os.environ, DATA_DIR_ENV: str(tmp_path)})
+    assert reason.startswith(f"{tmp_path / 'FashionMNIST' / 'raw'} lacks")
+    assert f"set {DATA_DIR_ENV} to a folder" in reason
+
+
+def test_without_a_real_data_folder_the_skip_says_how_to_give_one() -> None:
+    """No folder of some machine is guessed, or named: the reason is the variable to set."""
+    env = {key: value for key, value in os.environ.items() if key != DATA_DIR_ENV}
+    assert real_data_skip(env) == (
+        f"set {DATA_DIR_ENV} to a folder that holds FashionMNIST/raw/ (torchvision's raw layout)"
+    )
 
 
 def test_real_fashion_mnist() -> None:

@@ -1,7 +1,8 @@
 """The "Make it yours" steps (docs/make-it-yours.md), followed for real: a small RGB image folder
 trained with both shipped networks on 2 ranks, evaluated on 3 ranks exactly as on 1, predicted,
-with colour figures; then a network added as one module and one config file, copied from the
-page's own code blocks into a copy of the project, trained and evaluated there."""
+with colour figures; then a network added as one module and one config file, and an IDX dataset
+added as one DATASETS entry and one config file, each copied from the page's own code blocks
+into a copy of the project, trained and evaluated there."""
 
 import csv
 import re
@@ -12,7 +13,9 @@ import pytest
 from PIL import Image
 
 from tests.conftest import PROJECT, read_metrics, run_entry
+from tests.idx_data import make_dataset
 from tests.image_data import make_image_folder
+from tests.test_readme import page_command
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +35,36 @@ def tiny(images: Path) -> list[str]:
     ]  # fmt: skip
 
 
+PAGE = PROJECT / "docs" / "make-it-yours.md"
+NETWORK_FILES = {"src/task/nets/mlp.py", "conf/model/mlp.yaml"}
+DATASET_FILE = "conf/data/my_mnist.yaml"
+LEFT_OUT = {".git", ".venv", "outputs", "data", "mlruns", "mlartifacts", "wheelhouse", "mlflow.db"}
+
+
 def readme_files() -> dict[str, str]:
     """The code blocks of docs/make-it-yours.md whose first line names their file."""
-    text = (PROJECT / "docs" / "make-it-yours.md").read_text()
-    blocks = re.findall(r"```(?:python|yaml)\n# (\S+)\n(.*?)```", text, re.DOTALL)
+    blocks = re.findall(r"```(?:python|yaml)\n# (\S+)\n(.*?)```", PAGE.read_text(), re.DOTALL)
     return {path: f"# {path}\n{body}" for path, body in blocks}
+
+
+def readme_entry(path: str, table: str) -> str:
+    """The code block of docs/make-it-yours.md that is an entry of ``table`` in ``path``."""
+    pattern = rf"```python\n# {re.escape(path)}: an entry of {table}\n(.*?)```"
+    (body,) = re.findall(pattern, PAGE.read_text(), re.DOTALL)
+    return body
+
+
+def project_copy(tmp_path: Path) -> Path:
+    """The project without its outputs, data, stores and environment, to edit as a forker."""
+
+    def leave_out(folder: str, names: list[str]) -> list[str]:
+        at_top = Path(folder) == PROJECT
+        return [n for n in names if (at_top and n in LEFT_OUT) or n == "__pycache__"]
+
+    copy = tmp_path / "project"
+    shutil.copytree(PROJECT, copy, ignore=leave_out)
+    (copy / "conf" / "local" / "default.yaml").unlink(missing_ok=True)  # this machine's
+    return copy
 
 
 def only(folder: Path, pattern: str) -> Path:
@@ -83,18 +111,11 @@ def test_rgb_images_with_each_network(net: str, images: Path, tmp_path: Path) ->
 
 
 def test_a_new_network_is_one_module_and_one_config(images: Path, tmp_path: Path) -> None:
-    copy = tmp_path / "project"
-    top_level = {".git", ".venv", "outputs", "data", "mlruns", "mlartifacts", "wheelhouse"}
-
-    def leave_out(folder: str, names: list[str]) -> list[str]:
-        at_top = Path(folder) == PROJECT
-        return [n for n in names if (at_top and n in top_level) or n == "__pycache__"]
-
-    shutil.copytree(PROJECT, copy, ignore=leave_out)
+    copy = project_copy(tmp_path)
     files = readme_files()
-    assert set(files) == {"src/task/nets/mlp.py", "conf/model/mlp.yaml"}, files
-    for path, text in files.items():
-        (copy / path).write_text(text)
+    assert set(files) == {*NETWORK_FILES, DATASET_FILE}, files
+    for path in NETWORK_FILES:
+        (copy / path).write_text(files[path])
     env = {"PYTHONPATH": str(copy)}
     run_entry(
         "train", *tiny(images), "model=mlp", "model.net.hidden=32", "logger=none",
@@ -115,3 +136,43 @@ def test_a_new_network_is_one_module_and_one_config(images: Path, tmp_path: Path
     assert "model.net.depth is not a setting of model.net (MLP); valid keys: model.net.hidden" in (
         " ".join(proc.stderr.split())
     )
+
+
+def test_another_idx_dataset_is_one_entry_and_one_config(tmp_path: Path) -> None:
+    """Step 3's IDX dataset: the page's DATASETS entry and conf/data file, and its command, in a
+    copy of the project; trained, then evaluated from the checkpoint alone."""
+    copy = project_copy(tmp_path)
+    mnist = copy / "src" / "task" / "data" / "mnist.py"
+    table = "DATASETS: dict[str, DatasetSpec] = {\n"
+    assert table in mnist.read_text()
+    mnist.write_text(
+        mnist.read_text().replace(table, table + readme_entry("src/task/data/mnist.py", "DATASETS"))
+    )
+    (copy / DATASET_FILE).write_text(readme_files()[DATASET_FILE])
+    root = tmp_path / "datasets"
+    make_dataset(root, folder="MyMNIST", n_train=120, n_test=31, seed=3, learnable=True)
+    command = page_command("test_another_idx_dataset_is_one_entry_and_one_config")
+    assert command[:3] == ["python", "-m", "src.train"] and "data=my_mnist" in command, command
+    as_typed = [f"data.root={root}" if t.startswith("data.root=") else t for t in command[3:]]
+    tiny = ["data.val_size=20", "data.batch_size=20", "trainer.max_epochs=1", "logger=none"]
+    env = {"PYTHONPATH": str(copy)}
+    run_dir = tmp_path / "run"
+    run_entry(
+        "train",
+        *as_typed,
+        *tiny,
+        "callbacks.progress_bar=none",
+        f"hydra.run.dir={run_dir}",
+        cwd=copy,
+        env=env,
+    )
+    assert read_metrics(run_dir)["test/samples"] == 31
+    run_entry(
+        "eval",
+        f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'eval'}",
+        cwd=copy,
+        env=env,
+    )
+    assert read_metrics(tmp_path / "eval")["test/acc"] == read_metrics(run_dir)["test/acc"]

@@ -109,6 +109,8 @@ RUN_ELSEWHERE: dict[str, str] = {
     "test_slurm.py::test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks",
     r"^python -m src\.train -m hparams_search=convnet_optuna hydra/launcher=slurm .*=cpu$": "tests/"
     "test_slurm.py::test_optuna_trials_run_as_slurm_jobs",
+    r"\bdata=my_mnist\b": "tests/test_make_it_yours.py::"
+    "test_another_idx_dataset_is_one_entry_and_one_config",
 }
 SKIPPED |= {pattern: f"{test} runs it as written" for pattern, test in RUN_ELSEWHERE.items()}
 

@@ -55,3 +55,25 @@ def test_a_run_and_a_sweep_job_print_a_screenful_and_keep_the_rest(
     sweep = run_entry("train", "-m", *tiny_overrides(tiny_root), "model.lr=0.01,0.02", cwd=tmp_path)
     hydra_lines = 3  # "Launching 2 jobs locally", and "#0 : ...", "#1 : ..."
     assert len(printed_lines(sweep)) <= 2 * len(single) + hydra_lines
+
+
+@pytest.mark.slow
+def test_the_predictions_line_starts_its_own_line_after_the_progress_bar(
+    trained: dict[str, Path], tmp_path: Path
+) -> None:
+    """The tqdm bar ends its line when it closes, after the prediction loop: a line printed
+    from inside the loop (the writer's epoch end) was glued to the bar's last line."""
+    run_dir = tmp_path / "predict"
+    ckpt = trained["run_dir"] / "checkpoints" / "last.ckpt"
+    proc = run_entry(
+        "predict",
+        f"ckpt_path={ckpt}",
+        f"data.root={trained['tiny_root']}",
+        "callbacks.progress_bar=tqdm",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert "Predicting DataLoader 0: 100%" in proc.stdout  # the bar was drawn
+    lines = proc.stdout.splitlines()
+    assert f"predictions written to {run_dir / 'predictions_test.csv'}" == lines[-1], lines[-3:]
+    assert [line for line in lines if "predictions written" in line] == lines[-1:]

@@ -79,7 +79,7 @@ CASES = {
         2, ["callbacks.stop_check_every_n_steps=3"], "14:SIGTERM", 143, 16, "KILLED",
     ),
     "usr1-before-any-checkpoint": (1, [], "0:SIGUSR1", 138, 1, "KILLED"),
-    "max-steps-mid-epoch": (1, ["+trainer.max_steps=14"], None, 0, 14, "FINISHED"),
+    "max-steps-mid-epoch": (1, ["trainer.max_steps=14"], None, 0, 14, "FINISHED"),
     "workers-epoch-end-2-ranks": (2, ["data.num_workers=2"], "19:SIGINT", 130, 20, "KILLED"),
     "workers-mid-epoch": (1, ["data.num_workers=2"], "14:SIGUSR1", 138, 15, "KILLED"),
     "step-checkpoint-then-sigkill": (
@@ -112,7 +112,7 @@ def test_stopped_and_resumed_equals_uninterrupted(
     run, _ = history(tmp_path / "mlflow.db")
     assert run.info.status == status
 
-    resumed_args = [a for a in args if not a.startswith("+trainer.max_steps")]
+    resumed_args = [a for a in args if not a.startswith("trainer.max_steps")]
     resumed_dir = tmp_path / ("run" if again else "resumed")
     resume = [] if again else [f"ckpt_path={last}"]
     run_entry("train", *resumed_args, *resume, f"hydra.run.dir={resumed_dir}", cwd=tmp_path)

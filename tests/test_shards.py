@@ -254,7 +254,7 @@ def test_augmented_shards_resumed_mid_epoch_with_workers_equal_the_uninterrupted
     args = [*shard_overrides(tiny_root, shards), AUGMENT, *SMALL, "trainer.max_epochs=2"]
     run_entry("train", *args, "hydra.run.dir=whole", cwd=tmp_path)
     workers = [*args, "data.num_workers=2"]
-    run_entry("train", *workers, "+trainer.max_steps=14", "hydra.run.dir=cut", cwd=tmp_path)
+    run_entry("train", *workers, "trainer.max_steps=14", "hydra.run.dir=cut", cwd=tmp_path)
     last = tmp_path / "cut" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == 14  # mid-epoch 2
     run_entry("train", *workers, f"ckpt_path={last}", "hydra.run.dir=resumed", cwd=tmp_path)

@@ -1,6 +1,7 @@
 """Trainer assembly: callbacks and loggers added by config alone, no machinery edit; the
 progress bars."""
 
+import inspect
 import warnings
 from pathlib import Path
 
@@ -10,12 +11,59 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
+from omegaconf import OmegaConf
 
 from src.task import TASK
 from src.template.tracking import build_loggers
-from src.template.trainer import RichBar, TqdmBar, build_callbacks, build_trainer, check_settings
-from tests.conftest import run_entry, tiny_overrides
+from src.template.trainer import (
+    SET_BY_TEMPLATE,
+    NoProfiler,
+    RichBar,
+    TqdmBar,
+    build_callbacks,
+    build_trainer,
+    check_settings,
+)
+from tests.conftest import PROJECT, run_entry, tiny_overrides
 from tests.test_config import compose_config
+
+TRAINER_ARGUMENTS = inspect.signature(L.Trainer).parameters
+# conf/trainer/default.yaml's values that are not the Trainer's signature defaults: what
+# Lightning does with its None default, written out, and the template's own number of epochs.
+NOT_THE_SIGNATURE_DEFAULT = {
+    "max_epochs": 3,
+    "precision": "32-true",
+    "limit_train_batches": 1.0,
+    "limit_val_batches": 1.0,
+    "limit_test_batches": 1.0,
+    "limit_predict_batches": 1.0,
+    "num_sanity_val_steps": 2,
+    "log_every_n_steps": 50,
+    "deterministic": False,
+}
+
+
+def test_every_trainer_argument_is_a_trainer_key_at_its_default() -> None:
+    """A Lightning upgrade that adds, renames or drops a Trainer argument fails here: every one
+    is either in conf/trainer/default.yaml (so trainer.KEY=VALUE works without +) or set by the
+    template from other config."""
+    listed = OmegaConf.to_container(OmegaConf.load(PROJECT / "conf/trainer/default.yaml"))
+    assert set(SET_BY_TEMPLATE) <= set(TRAINER_ARGUMENTS)
+    assert sorted(listed) == sorted(set(TRAINER_ARGUMENTS) - set(SET_BY_TEMPLATE))
+    for key, value in listed.items():
+        expected = NOT_THE_SIGNATURE_DEFAULT.get(key, TRAINER_ARGUMENTS[key].default)
+        assert value == expected, f"trainer.{key}: {value!r}, Lightning's default {expected!r}"
+
+
+def test_any_trainer_argument_reaches_the_trainer(tmp_path: Path) -> None:
+    overrides = ["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=0.5"]
+    cfg = compose_config("train", overrides, tmp_path)  # no +: the key is there
+    check_settings(cfg, fitting=True)
+    trainer = build_trainer(cfg, [], [], fitting=True)
+    assert (trainer.accumulate_grad_batches, trainer.val_check_interval) == (2, 0.5)
+    assert isinstance(trainer.profiler, NoProfiler)  # trainer.profiler=null: no cost per hook
+    cfg = compose_config("train", ["debug=profiler"], tmp_path)
+    assert type(build_trainer(cfg, [], [], fitting=True).profiler).__name__ == "SimpleProfiler"
 
 
 def test_callbacks_and_loggers_come_from_config(tmp_path: Path) -> None:

@@ -2,7 +2,10 @@
 checked before use (naming what differs), loaded with their data settings for eval and predict."""
 
 import inspect
+import pickle
+import textwrap
 import warnings
+import zipfile
 from collections.abc import Iterable, Mapping
 from functools import cached_property
 from pathlib import Path
@@ -129,10 +132,27 @@ def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:
         fits = isinstance(saved, dict) and "state_dict" in saved
         problem = "" if fits else "is not a Lightning checkpoint (no state_dict)"
     except Exception as error:
-        problem = f"is not a readable checkpoint ({str(error).strip().splitlines()[0][:160]})"
+        problem = f"is not a readable checkpoint ({why_unreadable(ckpt_path, error)})"
     if problem:
         raise CheckpointError(f"ckpt_path={ckpt_path} {problem}; pass a .ckpt written by src.train")
     return saved
+
+
+def why_unreadable(path: str, error: Exception) -> str:
+    """torch.load's refusal in a few words: its messages run to paragraphs (and may advise
+    ``weights_only=False``, which would run any code a file holds)."""
+    if not zipfile.is_zipfile(path):
+        return "not the zip archive torch.save writes"
+    text = str(error)
+    if isinstance(error, pickle.UnpicklingError) and "WeightsUnpickler error:" in text:
+        detail = text.partition("WeightsUnpickler error:")[2].strip().split(". ")[0]
+        return f"it holds more than tensors and plain values: {shorten(detail)}"
+    return shorten(text.strip().splitlines()[0] if text.strip() else type(error).__name__)
+
+
+def shorten(reason: str) -> str:
+    """At most 160 characters, cut between words."""
+    return textwrap.shorten(reason, 160, placeholder=" ...")
 
 
 def check_fits(

@@ -15,8 +15,9 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException as C
 from omegaconf import DictConfig, OmegaConf
 
 
-def describe_config_error(error: Exception) -> str:
-    """One line for Hydra's composition errors, listing the valid keys or options."""
+def describe_config_error(error: Exception, set_by: Mapping[str, str] | None = None) -> str:
+    """One line for Hydra's composition errors, listing the valid keys or options, or, for a
+    key in ``set_by`` (``trainer.devices`` -> what sets it), where to set it instead."""
     if isinstance(error, MissingConfigException) and error.options is not None:
         group, _, option = (error.missing_cfg_file or "").rpartition("/")
         if group:
@@ -30,21 +31,32 @@ def describe_config_error(error: Exception) -> str:
             f"{error.override} is not a valid override ({reason}); the form is key=value, "
             "quoted for the shell where it holds brackets or spaces: 'key=[1,2]'"
         )
+    already = r"An item is already at '([^']+)'.*remove \+ prefix: '([^']+)'"  # +key on a key
+    if there := re.search(already, str(error), re.DOTALL):
+        key, plain = there.groups()
+        return f"+{key}: it is already a config key; set it without +: {plain}"
     typed = re.match(r"Could not override '([^']+)'", str(error))
     parent = getattr(error.__cause__, "parent_node", None)
     if typed and isinstance(parent, DictConfig):
-        key, section = typed.group(1), typed.group(1).rpartition(".")[0]
+        key = typed.group(1)
+        if set_by and key in set_by:
+            return f"{key} is set from {set_by[key]}; remove {key}"
+        # The first key of the path that is not there: mdoel in mdoel.lr, lrr in model.lrr.
+        missing = getattr(error.__cause__, "full_key", None) or key
+        section, rest = missing.rpartition(".")[0], key.removeprefix(missing)
         where = f"{section} has" if section else "top-level keys are"
         keys = ", ".join(sorted(str(k) for k in parent))
-        return f"{key} is not a config key{suggest(key, parent.keys(), section)}; {where}: {keys}"
+        near = suggest(missing, parent.keys(), section, rest)
+        return f"{key} is not a config key{near}; {where}: {keys}"
     return str(error).strip().splitlines()[0]
 
 
-def suggest(key: str, valid: Iterable[Any], section: str) -> str:
-    """`` (did you mean model.lr?)`` for a near miss, else nothing."""
+def suggest(key: str, valid: Iterable[Any], section: str, rest: str = "") -> str:
+    """`` (did you mean model.lr?)`` for a near miss of ``key``'s last name among ``valid``
+    (``rest``: what the typed key has after it, ``.lr`` for ``mdoel.lr``), else nothing."""
     name = key.rpartition(".")[2]
     close = difflib.get_close_matches(name, [str(k) for k in valid], n=1)
-    return f" (did you mean {section + '.' if section else ''}{close[0]}?)" if close else ""
+    return f" (did you mean {section + '.' if section else ''}{close[0]}{rest}?)" if close else ""
 
 
 def check_keys(

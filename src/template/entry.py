@@ -16,8 +16,11 @@ from src.template.config import describe_config_error
 from src.template.distributed import job_scope
 from src.template.environment import environment
 from src.template.task import Task
+from src.template.trainer import SET_BY_TEMPLATE
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
+# Trainer arguments on the command line (trainer.devices=2) that are set elsewhere.
+SET_ELSEWHERE = {f"trainer.{key}": where for key, where in SET_BY_TEMPLATE.items()}
 # Errors that mean bad input or a failed rank: shown as one line, no traceback.
 EXPECTED = (
     data.DataError, checkpoint.CheckpointError, store.TrackingError, ConfigError,
@@ -42,7 +45,7 @@ def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -
         try:
             run()
         except (HydraException, OmegaConfBaseException) as error:
-            reporting.show_error(describe_config_error(error))
+            reporting.show_error(describe_config_error(error, SET_ELSEWHERE))
             raise SystemExit(1) from None
         except expected as error:
             reporting.show_error(str(error))

@@ -166,6 +166,13 @@ def report_metrics(metrics: Mapping[str, float], output_dir: str | Path) -> None
     console.print(f"metrics written to {path}", soft_wrap=True)
 
 
+@rank_zero_only
+def show_written(what: str, path: Path) -> None:
+    """``predictions written to PATH``, once the progress bar has ended its line (printed from
+    inside the loop, it landed on the bar's last line)."""
+    console.print(f"{what} written to {path}", soft_wrap=True)
+
+
 class PredictionWriter(BasePredictionWriter):
     """All ranks' ``predict_step`` outputs (dicts of 1-D tensors with an ``index``) as one CSV in
     dataset order; the task's ``columns`` turn them into the CSV's columns and metrics."""
@@ -200,4 +207,3 @@ class PredictionWriter(BasePredictionWriter):
             writer = csv.writer(file)
             writer.writerow(table)
             writer.writerows(zip(*table.values(), strict=True))
-        console.print(f"predictions written to {self.path}", soft_wrap=True)
