@@ -58,10 +58,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("trained"))
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = ["slow end-to-end tests included"]
     if config.stash.get(DAILY, False):
-        return "daily set: slow end-to-end tests left out (python -m pytest --full -n 3 runs all)"
-    return "slow end-to-end tests included"
+        lines = ["daily set: slow end-to-end tests left out (--full -n 3 runs them too)"]
+    if (PROJECT / "conf" / "local" / "default.yaml").is_file():
+        lines.append("conf/local/default.yaml applies to the tests' jobs: move it aside first")
+    return lines
 
 
 @pytest.fixture(scope="session")
