@@ -48,6 +48,11 @@ def show_error(message: str) -> None:
     errors.print(f"[bold red]Error:[/] {message}", highlight=False, soft_wrap=True)
 
 
+def show_warning(message: str) -> None:
+    """``Warning: <message>`` on stderr, one line: something a user should know, not an end."""
+    errors.print(f"[bold yellow]Warning:[/] {message}", highlight=False, soft_wrap=True)
+
+
 _created_by_this_job: Path | None = None  # the top-most output folder this run created
 
 

@@ -93,6 +93,20 @@ def first_line(error: BaseException, limit: int = 120) -> str:
     return (str(error).strip().splitlines() or [repr(error)])[0][:limit]
 
 
+def run_page(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """A run's page in the MLflow UI, and for a SQLite store how to start the UI."""
+    database = sqlite_file(tracking_uri)
+    ui = "http://127.0.0.1:5000" if database else without_password(tracking_uri).rstrip("/")
+    page = f"{ui}/#/experiments/{experiment_id}/runs/{run_id}"
+    if database is None:
+        how = ""
+    elif database.resolve() == Path("mlflow.db").resolve():
+        how = " (after `mlflow ui` here)"
+    else:
+        how = f" (after `mlflow ui --backend-store-uri {tracking_uri}`)"
+    return f"{page}?workflowType=machine_learning{how}"
+
+
 def mask_secrets(values: Mapping[str, Any]) -> dict[str, Any]:
     """Values whose key looks like a credential become ``***``; URLs lose their password."""
     return {
