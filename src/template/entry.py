@@ -44,6 +44,7 @@ def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -
             run()
         except (HydraException, OmegaConfBaseException) as error:
             reporting.show_error(describe_config_error(error))
+            reporting.remove_refused_sweep()
             raise SystemExit(1) from None
         except expected as error:
             reporting.show_error(str(error))
