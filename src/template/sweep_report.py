@@ -91,9 +91,9 @@ def parent_run(folder: Path) -> str | None:
     if not path.is_file():
         return None
     saved = json.loads(path.read_text())
-    run_id, uri = saved["run_id"], saved["tracking_uri"]
+    run_id = saved["run_id"]
     if run_id.startswith(OFFLINE):
         return f"parent run: not sent yet; python -m src.sync {folder} sends it"
     if "experiment_id" not in saved:  # a sweep folder written before its link was kept
-        return f"parent run: {run_id} in {uri}"
-    return f"parent run: {run_page(uri, saved['experiment_id'], run_id)}"
+        return f"parent run: {run_id} in {saved['tracking_uri']}"
+    return f"parent run: {run_page(saved['tracking_uri'], saved['experiment_id'], run_id)}"
