@@ -1,19 +1,20 @@
 """``python -m src.register SWEEP_DIR --name NAME``: register the best job of a sweep.
 
 Best by the sweep's ``optimized_metric`` (the value each job returned to Hydra, also in its
-``metrics.json``), highest unless ``--lowest``. That job's MLflow model (logged by every
-training job, see src/template/export.py) becomes a new version of NAME in the store the
-jobs logged to; registering the same model again changes nothing.
+``metrics.json``) in the task's direction (``TASK.mode``): the job the sweep's parent run and
+its end-of-sweep report name best (:func:`src.template.sweeps.best_job`). That job's MLflow
+model (logged by every training job, see src/template/export.py) becomes a new version of NAME
+in the store the jobs logged to; registering the same model again changes nothing.
 """
 
 import argparse
-import json
-import math
 import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from src.task import TASK
+from src.template import sweeps
 from src.template.export import MODEL_NAME, register
 from src.template.tracking import RUN_ID_FILE
 
@@ -22,33 +23,23 @@ class NoModel(RuntimeError):
     """Nothing in the sweep can be registered: the message says why."""
 
 
-def best_job(sweep_dir: Path, lowest: bool) -> tuple[Path, str, float]:
-    """The folder of the sweep's best finished job (the first one of equals), the metric and its
-    value."""
-    if not sweep_dir.is_dir():
-        raise NoModel(
-            f"{sweep_dir} is not a folder: pass a sweep's, outputs/train/multiruns/<time>"
-        )
-    scored = []
-    jobs = sorted(
-        sweep_dir.glob("*/metrics.json"), key=lambda p: (len(p.parent.name), p.parent.name)
-    )
-    for metrics_file in jobs:
-        job = metrics_file.parent
-        metric = OmegaConf.load(job / "config.yaml").optimized_metric
-        value = json.loads(metrics_file.read_text()).get(metric)
-        if value is not None and not math.isnan(value):
-            scored.append((value, job, metric))
-    if not scored:
-        raise NoModel(f"{sweep_dir} holds no finished job (no <job>/metrics.json with a value)")
-    value, job, metric = (min if lowest else max)(scored, key=lambda scored_job: scored_job[0])
-    return job, metric, value
+def best_job(sweep_dir: Path, mode: str) -> tuple[Path, str, float]:
+    """The folder of the sweep's best finished job by its ``optimized_metric`` in ``mode``
+    ("max" or "min"), the metric and its value."""
+    if not (sweep_dir / "multirun.yaml").is_file():
+        problem = "holds no multirun.yaml" if sweep_dir.is_dir() else "is not a folder"
+        raise NoModel(f"{sweep_dir} {problem}: pass a sweep's, outputs/train/multiruns/<time>")
+    metric = OmegaConf.load(sweep_dir / "multirun.yaml").optimized_metric
+    best = sweeps.best_job(sweeps.read_jobs(sweep_dir), metric, mode)
+    if best is None:
+        raise NoModel(f"{sweep_dir} holds no finished job (no <job>/metrics.json with {metric})")
+    return sweep_dir / best["job"], metric, best["metrics"][metric]
 
 
-def register_best(sweep_dir: Path, name: str, lowest: bool, tracking_uri: str | None) -> str:
+def register_best(sweep_dir: Path, name: str, mode: str, tracking_uri: str | None) -> str:
     from mlflow import MlflowClient
 
-    job, metric, value = best_job(sweep_dir, lowest)
+    job, metric, value = best_job(sweep_dir, mode)
     run_file = job / RUN_ID_FILE
     if not run_file.is_file():
         raise NoModel(f"the best job, {job} ({metric}={value:.6g}), has no MLflow run")
@@ -79,17 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m src.register",
         description="Register the MLflow model of a sweep's best job, by the value of its "
-        "optimized_metric in each job's metrics.json.",
+        f"optimized_metric in each job's metrics.json ({sweeps.best_is(TASK.mode)} is best: "
+        "the task's mode).",
     )
     parser.add_argument(
         "sweep_dir", type=Path, help="the sweep's folder: outputs/train/multiruns/<time>"
     )
     parser.add_argument("--name", required=True, help="the registered model's name")
-    parser.add_argument("--lowest", action="store_true", help="lower is better (e.g. a loss)")
     parser.add_argument("--tracking-uri", help="the store, if not the one the jobs used")
     args = parser.parse_args(argv)
     try:
-        print(register_best(args.sweep_dir, args.name, args.lowest, args.tracking_uri))
+        print(register_best(args.sweep_dir, args.name, TASK.mode, args.tracking_uri))
     except NoModel as error:
         print(f"Error: {error}", file=sys.stderr)
         return 1

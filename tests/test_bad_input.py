@@ -338,3 +338,202 @@ def test_a_small_image_folder(
         tmp_path, *overrides, data_root=small_images, base=as_typed, forked=forked
     )
     assert message in stderr
+
+
+# --- nothing created for a mistake: every path-valued setting, typed with a mistake in it
+
+TYPED = {"relative": "typo/a/b", "absolute": "{elsewhere}/typo/a/b"}  # neither exists yet
+
+
+def typed_path(form: str, workdir: Path) -> str:
+    """A path whose first two folders do not exist: relative to the launch folder, or absolute
+    in a folder beside it."""
+    elsewhere = workdir.parent / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    return TYPED[form].format(elsewhere=elsewhere)
+
+
+def tree(folder: Path) -> set[Path]:
+    """Everything under ``folder`` but the forked commands' own stdout and stderr files."""
+    return {path for path in folder.rglob("*") if path.suffix not in (".stdout", ".stderr")}
+
+
+def refused_leaving_nothing(
+    module: str, args: list[str], workdir: Path, forked: ForkedEntry | None, env: dict | None
+) -> str:
+    """Run ``src.<module> args`` in ``workdir`` (a fork, unless ``env`` is given); check it was
+    refused in one line and that nothing was added beside or under the launch folder."""
+    before = tree(workdir.parent)
+    if forked and env is None:
+        proc = forked.run(module, *args, cwd=workdir)
+    else:
+        proc = run_entry(module, *args, cwd=workdir, check=False, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert sorted(tree(workdir.parent) - before) == [], "a refused job creates nothing"
+    return " ".join(proc.stderr.split())
+
+
+def base_overrides(module: str, overrides: list[str], data_root: Path) -> list[str]:
+    """The tiny job's overrides (eval, predict, prepare: its data), less those ``overrides``
+    set or make moot (another dataset has no ``data.download``)."""
+    base = tiny_overrides(data_root) if module == "train" else [f"data.root={data_root}"]
+    keys = {override.split("=")[0] for override in overrides}
+    if keys & {"data", "data.root", "paths.data_dir"}:
+        keys |= {"data.root", "data.download"}
+    return [override for override in base if override.split("=")[0] not in keys]
+
+
+# Each path-valued setting, with a mistake (folders that do not exist) where {typed} stands: the
+# job is refused by the work the path was given for, after anything that might create it.
+# OFFLINE: a download is tried, and fails.
+PATH_SETTINGS = [
+    pytest.param(
+        "train",
+        ["data.download=true", "data.root={typed}"],
+        OFFLINE,
+        "MNIST-format data not found in",
+        id="data.root-downloaded",
+    ),
+    pytest.param(
+        "train",
+        ["data.download=true", "paths.data_dir={typed}"],
+        OFFLINE,
+        "MNIST-format data not found in",
+        id="paths.data_dir-downloaded",
+    ),
+    pytest.param(
+        "prepare",
+        ["data.root={typed}", "out=shards"],
+        OFFLINE,
+        "MNIST-format data not found in",
+        id="prepare-data.root-downloaded",
+    ),
+    pytest.param(
+        "train",
+        ["data=image_folder", "data.root={typed}"],
+        None,
+        "/train is not a folder",
+        id="data.root-image_folder",
+    ),
+    pytest.param(
+        "train",
+        ["data=shards", "data.root={typed}"],
+        None,
+        "/manifest.json not found",
+        id="data.root-shards",
+    ),
+    pytest.param(
+        "train",
+        ["paths.log_dir={typed}", "model.lr=abc"],
+        None,
+        "model.lr=abc must be",
+        id="paths.log_dir",
+    ),
+    pytest.param(
+        "train",
+        ["hydra.run.dir={typed}", "model.lr=abc"],
+        None,
+        "model.lr=abc must be",
+        id="hydra.run.dir",
+    ),
+    pytest.param(
+        "train",
+        ["paths.root_dir={typed}", "model.lr=abc"],
+        None,
+        "model.lr=abc must be",
+        id="paths.root_dir",
+    ),
+    pytest.param(
+        "train",
+        ["logger.tracking_uri=sqlite:///{typed}/mlflow.db", "logger.experiment_name=''"],
+        None,
+        "Invalid experiment name",
+        id="store-refused-after-creating-it",
+    ),
+    pytest.param(
+        "train",
+        ["logger.tracking_uri=sqlite:///{typed}/mlflow.db", "logger.run_id=abc"],
+        None,
+        "logger.run_id=abc is not a run of",
+        id="store-unknown-run",
+    ),
+    pytest.param(
+        "train",
+        ["ckpt_path={typed}/last.ckpt"],
+        None,
+        "/last.ckpt: no such file",
+        id="ckpt_path",
+    ),
+    pytest.param(
+        "train",
+        ["ckpt_path=auto", "hydra.run.dir={typed}", "model.lr=abc"],
+        None,
+        "model.lr=abc must be",
+        id="ckpt_path-auto",
+    ),
+    pytest.param(
+        "train",
+        ["-m", "hydra.sweep.dir={typed}", "model.nokey=1,2"],
+        None,
+        "model.nokey is not a config key",
+        id="hydra.sweep.dir",
+    ),
+    pytest.param(
+        "prepare",
+        ["out={typed}", "format=gif"],
+        None,
+        "format=gif is not valid",
+        id="prepare-out",
+    ),
+    pytest.param(
+        "eval",
+        ["ckpt_path=x.ckpt", "split=nope", "hydra.run.dir={typed}"],
+        None,
+        "split=nope is not valid",
+        id="eval-hydra.run.dir",
+    ),
+    pytest.param(
+        "predict",
+        ["ckpt_path={ckpt}", "images={typed}"],
+        None,
+        "typo/a/b: no images",
+        id="predict-images",
+    ),
+    pytest.param(
+        "predict",
+        ["ckpt_path={ckpt}", "images=none", "hydra.run.dir={typed}"],
+        None,
+        "images=none: no images",
+        id="predict-hydra.run.dir",
+    ),
+]
+
+
+@pytest.mark.parametrize("form", TYPED)
+@pytest.mark.parametrize(("module", "overrides", "env", "message"), PATH_SETTINGS)
+def test_a_mistyped_path_creates_nothing(
+    module: str,
+    overrides: list[str],
+    env: dict[str, str] | None,
+    message: str,
+    form: str,
+    tiny_root: Path,
+    trained: dict[str, Path],
+    tmp_path: Path,
+    forked: ForkedEntry,
+) -> None:
+    """Reported: ``data.root=/nonexistent/data`` created ``/nonexistent`` (the download made the
+    folders and removed only those it named on failure); ``data.root=typo2/a/b`` left
+    ``typo2/a``. Here every path-valued setting, typed relative and absolute."""
+    workdir = tmp_path / "launch"
+    workdir.mkdir()
+    typed = typed_path(form, workdir)
+    ckpt = trained["run_dir"] / "checkpoints" / "last.ckpt"
+    typed_overrides = [o.format(typed=typed, ckpt=ckpt) for o in overrides]
+    flags = [o for o in typed_overrides if o.startswith("-")]  # -m: before every override
+    overrides = [o for o in typed_overrides if o not in flags]
+    args = [*flags, *base_overrides(module, overrides, tiny_root), *overrides]
+    assert message in refused_leaving_nothing(module, args, workdir, forked, env)

@@ -7,6 +7,7 @@ evaluates and predicts with its checkpoint, sweeps it, logs it as an MLflow mode
 import csv
 import filecmp
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -20,8 +21,10 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from src.template.sweep_run import PARENT_FILE
 from tests.conftest import PROJECT, read_metrics, run_entry
 from tests.test_serving import served
+from tests.test_sweep_report import rows
 
 REGRESSION = PROJECT / "tests" / "regression_task"  # laid out as the project: src/task/, conf/
 TASK_PATHS = ("src/task", "conf")  # all a forker edits
@@ -79,8 +82,8 @@ def files(root: Path) -> set[str]:
     }
 
 
-def run(project: Path, entry: str, *overrides: str) -> None:
-    run_entry(entry, *overrides, cwd=project, env={"PYTHONPATH": str(project)})
+def run(project: Path, entry: str, *overrides: str) -> subprocess.CompletedProcess:
+    return run_entry(entry, *overrides, cwd=project, env={"PYTHONPATH": str(project)})
 
 
 def test_only_the_task_and_its_configs_change(project: Path) -> None:
@@ -204,9 +207,10 @@ def test_predict_and_the_served_model_agree(project: Path, regression_run: Path)
 
 @pytest.mark.slow
 def test_a_sweep_of_two_learning_rates(project: Path) -> None:
-    """Hydra's basic launcher runs both jobs; src.register picks the one of lowest val/loss."""
+    """Hydra's basic launcher runs both jobs; the sweep's report at its end and src.register
+    pick the one of lowest val/loss: the task's mode, as its parent run does."""
     sweep = project / "sweep"
-    run(project, "train", "-m", "model.lr=0.01,0.03", *TINY, f"hydra.sweep.dir={sweep}")
+    proc = run(project, "train", "-m", "model.lr=0.01,0.03", *TINY, f"hydra.sweep.dir={sweep}")
     losses = {}
     for job, lr in (("0", 0.01), ("1", 0.03)):
         assert yaml.safe_load((sweep / job / "config.yaml").read_text())["model"]["lr"] == lr
@@ -214,13 +218,25 @@ def test_a_sweep_of_two_learning_rates(project: Path) -> None:
         assert metrics["test/samples"] == N_TEST
         losses[job] = metrics["val/loss"]
     best = min(losses, key=losses.get)
+    assert rows(proc.stdout) == {
+        job: [f"lr={lr}", f"{losses[job]:.6g}", "best (lowest)" if job == best else ""]
+        for job, lr in (("0", 0.01), ("1", 0.03))
+    }
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    parent = client.get_run(json.loads((sweep / PARENT_FILE).read_text())["run_id"])
+    assert parent.data.tags["best.job"] == best, "the parent run names the same best job"
+    experiment = parent.info.experiment_id
+    assert proc.stdout.endswith(
+        f"sweep folder: {sweep}\nevery job: {sweep / 'jobs.csv'}\nparent run: "
+        f"http://127.0.0.1:5000/#/experiments/{experiment}/runs/{parent.info.run_id}"
+        "?workflowType=machine_learning (after `mlflow ui` here)\n"
+    )
     done = subprocess.run(
-        [sys.executable, "-m", "src.register", str(sweep), "--name", "regression", "--lowest"],
+        [sys.executable, "-m", "src.register", str(sweep), "--name", "regression"],
         cwd=project, env={**os.environ, "PYTHONPATH": str(project)}, capture_output=True,
         text=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"registered regression version 1: {sweep / best} (val/loss=")
-    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     (version,) = client.search_model_versions("name = 'regression'")
     assert version.run_id == (sweep / best / "mlflow_run_id.txt").read_text().strip()

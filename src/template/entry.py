@@ -11,7 +11,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException as C
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from src.template import checkpoint, data, reporting, shutdown, store, sweeps
+from src.template import checkpoint, data, reporting, shutdown, store, sweep_report, sweeps
 from src.template.config import describe_config_error
 from src.template.distributed import job_scope
 from src.template.environment import environment
@@ -31,7 +31,8 @@ EXPECTED = (
 def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -> None:
     """``job(cfg, task)`` with ``conf/<config_name>.yaml``; Hydra's sweepers optimise its result.
     Hydra's errors (raised, not reported, under its documented ``HYDRA_FULL_ERROR=1``) and a
-    sweep's first failed job's end here, in one line; a single job ends its own (short_errors)."""
+    sweep's first failed job's end here, in one line; a single job ends its own (short_errors).
+    A sweep then reports its jobs (src/template/sweep_report.py)."""
     expected = (*EXPECTED, *task.errors)
 
     @hydra.main(version_base="1.3", config_path=str(CONF), config_name=config_name)
@@ -41,11 +42,12 @@ def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -
             return job(cfg, task)
 
     sweeps.register_resolvers()
-    with environment(HYDRA_FULL_ERROR="1"):
+    with environment(HYDRA_FULL_ERROR="1"), sweep_report.reported_at_end(task.mode):
         try:
             run()
         except (HydraException, OmegaConfBaseException) as error:
             reporting.show_error(describe_config_error(error, SET_ELSEWHERE))
+            reporting.remove_refused_sweep()
             raise SystemExit(1) from None
         except expected as error:
             reporting.show_error(str(error))

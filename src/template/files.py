@@ -1,10 +1,11 @@
 """Files written whole or not at all: a reader (another rank, a job run again) or a crash sees
-the old file or the new one, never part of one."""
+the old file or the new one, never part of one; folders made for work that fails, removed."""
 
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -43,3 +44,28 @@ def copy_atomically(source: Path, target: Path) -> None:
     with source.open("rb") as file:
         write_atomically(target, lambda out: shutil.copyfileobj(file, out))
     shutil.copystat(source, target)
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and those of its parents that do not exist, innermost first."""
+    missing, current = [], Path(os.path.abspath(folder))
+    while not current.exists() and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    return missing
+
+
+@contextmanager
+def folder_kept_if_used(folder: Path) -> Iterator[None]:
+    """Create ``folder`` (and its missing parents) for the block; if the block fails, remove
+    those of them it created that are still empty: a mistyped path (``data.root=/nonexistent/
+    data``) refused by the work it was made for leaves the filesystem as it was."""
+    created = missing_folders(folder)
+    Path(os.path.abspath(folder)).mkdir(parents=True, exist_ok=True)  # what `created` lists
+    try:
+        yield
+    except BaseException:
+        for path in created:
+            with suppress(OSError):  # not empty: something else, or a finished file, is there
+                path.rmdir()
+        raise

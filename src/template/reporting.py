@@ -48,7 +48,13 @@ def show_error(message: str) -> None:
     errors.print(f"[bold red]Error:[/] {message}", highlight=False, soft_wrap=True)
 
 
+def show_warning(message: str) -> None:
+    """``Warning: <message>`` on stderr, one line: something a user should know, not an end."""
+    errors.print(f"[bold yellow]Warning:[/] {message}", highlight=False, soft_wrap=True)
+
+
 _created_by_this_job: Path | None = None  # the top-most output folder this run created
+_created_for_sweep: Path | None = None  # the top-most folder this sweep's folder added
 
 
 class CheckOutputFolder(HydraCallback):
@@ -61,8 +67,9 @@ class CheckOutputFolder(HydraCallback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         """A sweep folder is run again only by its own sweep's command, so each job folder
         holds that job's earlier run (an exception here, Hydra would turn into a warning)."""
+        global _created_for_sweep
         folder = Path(config.hydra.sweep.dir)
-        check_writable(folder)
+        _created_for_sweep = check_writable(folder)
         earlier = sweep_overrides(folder) if (folder / "multirun.yaml").is_file() else None
         if earlier is not None and earlier != list(config.hydra.overrides.task):
             show_error(
@@ -100,6 +107,16 @@ def remove_attempt_record() -> None:
     if out.is_relative_to(created) and all(
         path in record or path.is_relative_to(out / ".hydra") for path in files
     ):
+        shutil.rmtree(created, ignore_errors=True)
+
+
+def remove_refused_sweep() -> None:
+    """Hydra writes a sweep's folder and ``multirun.yaml`` before it checks that every job's
+    overrides compose (``model.nokey=1,2``): a sweep refused so leaves no folder either."""
+    created = _created_for_sweep
+    if created is None or not created.is_dir():
+        return
+    if all(path.name == "multirun.yaml" for path in created.rglob("*") if not path.is_dir()):
         shutil.rmtree(created, ignore_errors=True)
 
 

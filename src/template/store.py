@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from src.template.distributed import launch_rank, requested_processes
 from src.template.environment import environment
+from src.template.files import folder_kept_if_used
 
 MASK = "***"
 SECRET_KEY = re.compile(r"password|token|secret|key", re.IGNORECASE)  # values logged as ***
@@ -46,26 +47,20 @@ def artifact_location(tracking_uri: str) -> str | None:
 
 def prepare_store(tracking_uri: str, experiment_name: str) -> None:
     """Create the SQLite schema (jobs starting together take turns: its folder is locked) or check
-    that the server answers, and the experiment, tagged as model training."""
-    from mlflow import MlflowClient
-
+    that the server answers, and the experiment, tagged as model training. A SQLite store that
+    fails leaves no file or folder it made."""
     database = sqlite_file(tracking_uri)
     try:
         if database:
-            database.parent.mkdir(parents=True, exist_ok=True)
-        with locked(database.parent) if database else environment(**FAIL_FAST):
-            client = MlflowClient(tracking_uri)
-            experiment = client.get_experiment_by_name(experiment_name)
-            if experiment is None:
-                try:
-                    client.create_experiment(
-                        experiment_name, artifact_location(tracking_uri), EXPERIMENT_TAGS
-                    )
-                except Exception:
-                    if client.get_experiment_by_name(experiment_name) is None:  # not another job's
-                        raise
-            elif EXPERIMENT_KIND not in experiment.tags:
-                client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND, TRAINING)
+            with (
+                folder_kept_if_used(database.parent),
+                locked(database.parent),
+                file_kept_if_used(database),
+            ):
+                open_experiment(tracking_uri, experiment_name)
+        else:
+            with environment(**FAIL_FAST):
+                open_experiment(tracking_uri, experiment_name)
     except Exception as error:
         reason = first_line(error, 200)
         raise TrackingError(
@@ -75,6 +70,37 @@ def prepare_store(tracking_uri: str, experiment_name: str) -> None:
             else f"MLflow server {mask_text(tracking_uri)} is not reachable ({reason}). Start it "
             "(docs/mlflow.md: MLflow server) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
         ) from error
+
+
+def open_experiment(tracking_uri: str, experiment_name: str) -> None:
+    """The experiment in the store, created (by this job or one starting with it) if need be."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None:
+        try:
+            client.create_experiment(
+                experiment_name, artifact_location(tracking_uri), EXPERIMENT_TAGS
+            )
+        except Exception:
+            if client.get_experiment_by_name(experiment_name) is None:  # not another job's
+                raise
+    elif EXPERIMENT_KIND not in experiment.tags:
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND, TRAINING)
+
+
+@contextmanager
+def file_kept_if_used(path: Path) -> Iterator[None]:
+    """If the block fails, remove ``path`` if the block created it (call it under a lock that
+    the other jobs creating ``path`` take too)."""
+    existed = path.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            path.unlink(missing_ok=True)
+        raise
 
 
 @contextmanager
@@ -91,6 +117,20 @@ def locked(folder: Path) -> Iterator[None]:
 def first_line(error: BaseException, limit: int = 120) -> str:
     """An error in one line, for a one-line message."""
     return (str(error).strip().splitlines() or [repr(error)])[0][:limit]
+
+
+def run_page(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """A run's page in the MLflow UI, and for a SQLite store how to start the UI."""
+    database = sqlite_file(tracking_uri)
+    ui = "http://127.0.0.1:5000" if database else without_password(tracking_uri).rstrip("/")
+    page = f"{ui}/#/experiments/{experiment_id}/runs/{run_id}"
+    if database is None:
+        how = ""
+    elif database.resolve() == Path("mlflow.db").resolve():
+        how = " (after `mlflow ui` here)"
+    else:
+        how = f" (after `mlflow ui --backend-store-uri {tracking_uri}`)"
+    return f"{page}?workflowType=machine_learning{how}"
 
 
 def mask_secrets(values: Mapping[str, Any]) -> dict[str, Any]:

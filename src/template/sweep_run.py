@@ -35,6 +35,7 @@ def parent_run(cfg: DictConfig) -> str | None:
             "run_name": f"{cfg.task_name} {cfg.data.name} sweep {folder.name}",
             "tags": {"sweep.parent": folder.name, "command": command},  # no task tag: not a job
         }
+        saved: dict[str, str] = {"tracking_uri": without_password(uri)}
         if cfg.logger.get("offline"):  # a record for src.sync, as an offline job's own run is
             run_id, name = offline_run_id(), cfg.logger.experiment_name
             with closing(Outbox(folder, without_password(uri))) as outbox:
@@ -43,7 +44,8 @@ def parent_run(cfg: DictConfig) -> str | None:
             client = MlflowClient(uri)
             experiment = client.get_experiment_by_name(cfg.logger.experiment_name)
             run_id = client.create_run(experiment.experiment_id, **run).info.run_id
-        saved = {"run_id": run_id, "tracking_uri": without_password(uri)}
+            saved["experiment_id"] = experiment.experiment_id  # its page's link, at the sweep's end
+        saved["run_id"] = run_id
         write_text_atomically(path, json.dumps(saved))
         return run_id
 

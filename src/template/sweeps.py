@@ -169,18 +169,46 @@ def read_jobs(folder: Path) -> list[dict[str, Any]]:
     return sorted(jobs, key=lambda j: (len(j["job"]), j["job"]))
 
 
+def scored_jobs(jobs: Sequence[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+    """The jobs that ended with a value of ``metric`` (not NaN)."""
+    return [
+        job for job in jobs if metric in job["metrics"] and not math.isnan(job["metrics"][metric])
+    ]
+
+
+def best_job(jobs: Sequence[dict[str, Any]], metric: str, mode: str) -> dict[str, Any] | None:
+    """The sweep's best job by ``metric``, the first of equals: highest if ``mode`` is "max"
+    (the task's mode), else lowest; None if no job has a value. The sweep's parent run, its
+    end-of-sweep report and ``src.register`` all take their best from here."""
+    scored = scored_jobs(jobs, metric)
+    if not scored:
+        return None
+    return (max if mode == "max" else min)(scored, key=lambda job: job["metrics"][metric])
+
+
+def best_is(mode: str) -> str:
+    """What ``mode`` makes best, in words."""
+    return "highest" if mode == "max" else "lowest"
+
+
+def write_jobs_table(folder: Path, jobs: Sequence[dict[str, Any]]) -> Path:
+    """``jobs.csv`` in the sweep folder: each job's number, run, varied overrides, status and
+    final metrics."""
+    keys = sorted({key for job in jobs for key in job["metrics"]})
+    rows = [{key: job[key] for key in FIELDS} | job["metrics"] for job in jobs]
+    return write_table(folder / JOBS_FILE, rows, [*FIELDS, *keys])
+
+
 def write_summary(client: Any, run_id: str, folder: Path, metric: str, mode: str) -> None:
     from mlflow.entities import Metric, RunTag
 
     jobs = read_jobs(folder)
     keys = sorted({key for job in jobs for key in job["metrics"]})
-    rows = [{key: job[key] for key in FIELDS} | job["metrics"] for job in jobs]
-    write_table(client, run_id, folder / JOBS_FILE, rows, [*FIELDS, *keys])
-    scored = [job for job in jobs if metric in job["metrics"]]
+    client.log_artifact(run_id, str(write_jobs_table(folder, jobs)))
+    scored = scored_jobs(jobs, metric)
     tags = {"sweep.jobs": str(len(jobs)), "sweep.finished": str(len(scored))}
     values: dict[str, float] = {}
-    if scored:
-        best = (max if mode == "max" else min)(scored, key=lambda job: job["metrics"][metric])
+    if best := best_job(jobs, metric, mode):
         tags |= {"best.job": best["job"], "best.run_id": best["run_id"],
                  "best.overrides": best["overrides"] or "(none)"}  # fmt: skip
         values[f"best/{metric}"] = best["metrics"][metric]
@@ -192,7 +220,9 @@ def write_summary(client: Any, run_id: str, folder: Path, metric: str, mode: str
     groups = {group: members for group, members in groups.items() if len(members) > 1}
     spreads = [row for group, members in groups.items() for row in spread(group, members, keys)]
     if spreads:
-        write_table(client, run_id, folder / SEEDS_FILE, spreads, list(spreads[0]))
+        client.log_artifact(
+            run_id, str(write_table(folder / SEEDS_FILE, spreads, list(spreads[0])))
+        )
     if len(groups) == 1:  # every job differs only in seed: the spread is the sweep's result
         for row in spreads:
             for stat in ("mean", "std", "ci95_low", "ci95_high"):
@@ -205,12 +235,12 @@ def write_summary(client: Any, run_id: str, folder: Path, metric: str, mode: str
     client.set_terminated(run_id, "FINISHED")  # the summary of every job ended so far
 
 
-def write_table(client: Any, run_id: str, path: Path, rows: list[dict], fields: list) -> None:
+def write_table(path: Path, rows: list[dict], fields: list) -> Path:
     with path.open("w", newline="") as file:
         table = csv.DictWriter(file, fieldnames=fields)
         table.writeheader()
         table.writerows(rows)
-    client.log_artifact(run_id, str(path))
+    return path
 
 
 def spread(group: str, jobs: list[dict[str, Any]], keys: list[str]) -> list[dict[str, Any]]:

@@ -236,16 +236,7 @@ def show_run_page(logger: MLFlowLogger, tracking_uri: str) -> None:
     whatever the experiment's kind says (mlflow/mlflow#24498). An offline run has no page yet."""
     if getattr(logger, "offline", False):
         return
-    database = sqlite_file(tracking_uri)
-    ui = "http://127.0.0.1:5000" if database else without_password(tracking_uri).rstrip("/")
-    page = f"{ui}/#/experiments/{logger.experiment_id}/runs/{logger.run_id}"
-    if database is None:
-        how = ""
-    elif database.resolve() == Path("mlflow.db").resolve():
-        how = " (after `mlflow ui` here)"
-    else:
-        how = f" (after `mlflow ui --backend-store-uri {tracking_uri}`)"
-    print(f"MLflow run: {page}?workflowType=machine_learning{how}")
+    print(f"MLflow run: {store.run_page(tracking_uri, logger.experiment_id, logger.run_id)}")
 
 
 @rank_zero_only

@@ -20,6 +20,7 @@ from torch import Tensor
 from src.task.data.augment import check_augment
 from src.task.data.images import ImageDataModule
 from src.template.data import DataError
+from src.template.files import folder_kept_if_used
 
 FILES = (
     "train-images-idx3-ubyte",
@@ -185,28 +186,20 @@ def _fetch(url: str, dest: Path, md5: str, progress: Progress) -> None:
 
 def download(root: Path, spec: DatasetSpec) -> None:
     """Fetch only the missing files, trying each mirror in order; never leaves partial files,
-    nor folders it created when nothing could be fetched."""
+    nor folders it created (``data.root`` and all above it) when nothing could be fetched."""
     raw = Path(root) / spec.folder / "raw"
     missing = _missing(raw)
     if not missing:
         return
-    created = [folder for folder in (raw, raw.parent, Path(root)) if not folder.exists()]
-    raw.mkdir(parents=True, exist_ok=True)
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
     )
-    try:
-        with Progress(*columns) as progress:
-            for name in missing:
-                _fetch_from_mirrors(f"{name}.gz", raw, spec, progress)
-    except DataError:
-        for folder in created:  # innermost first; only if still empty
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
-        raise
+    with folder_kept_if_used(raw), Progress(*columns) as progress:
+        for name in missing:
+            _fetch_from_mirrors(f"{name}.gz", raw, spec, progress)
 
 
 def _fetch_from_mirrors(gz: str, raw: Path, spec: DatasetSpec, progress: Progress) -> None:
