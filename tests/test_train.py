@@ -14,6 +14,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from src.train import say_auto_started_fresh
 from tests.conftest import (
     FAKE_SECRET,
     LONG_VALUE,
@@ -27,6 +28,21 @@ from tests.conftest import (
     run_entry,
     tiny_overrides,
 )
+from tests.test_config import compose_config
+
+
+def test_ckpt_path_auto_in_a_new_folder_says_it_started_fresh_and_how_to_continue(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    cfg = compose_config("train", ["ckpt_path=auto"], tmp_path)
+    say_auto_started_fresh(Path(cfg.paths.output_dir))
+    (line,) = capsys.readouterr().out.splitlines()
+    out = cfg.paths.output_dir
+    assert f"{out} is a new folder, with no last.ckpt: this job starts fresh" in line
+    assert f"hydra.run.dir={out} ckpt_path=auto" in line
+    compose_config("train", ["ckpt_path=auto", f"hydra.run.dir={tmp_path}"], tmp_path)
+    say_auto_started_fresh(tmp_path)  # a folder of the user's choosing: nothing to say
+    assert capsys.readouterr().out == ""
 
 
 def test_train_reports_exact_metrics(trained: dict[str, Path]) -> None:
