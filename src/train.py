@@ -47,7 +47,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         finished_run = finished_job_run(resume, cfg, ckpt_path)
         if finished_run is not None and checkpoint.nothing_left_to_train(resume, cfg.trainer):
             folder = Path(ckpt_path).parent.parent
-            print(
+            say(
                 f"{folder}: this job finished; its result is read back (metrics.json). "
                 "To train it longer, raise trainer.max_epochs"
             )
@@ -72,7 +72,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         continue_run = tracking.run_to_continue(resume, cfg, auto=requested == "auto")
         loggers = tracking.build_loggers(cfg, continue_run=continue_run)
     else:
-        print(
+        say(
             f"{Path(ckpt_path).parent.parent}: this job finished; it trains on into a new MLflow "
             f"run (tag continues_run={finished_run}), its finished run left as it was"
         )
@@ -115,6 +115,12 @@ def finished_job_run(saved: dict, cfg: DictConfig, ckpt_path: str) -> str | None
     if run is None and not sweeps.job_finished(Path(ckpt_path).parent.parent):
         return None
     return run or (saved.get("mlflow") or {}).get("run_id", "")
+
+
+@rank_zero_only
+def say(line: str) -> None:
+    """One line on stdout, from rank 0 only (rank processes run this module again)."""
+    print(line)
 
 
 @rank_zero_only

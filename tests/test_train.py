@@ -160,6 +160,7 @@ def test_train_resumes_at_the_next_epoch_with_its_best_metric(
         "train",
         *overrides,
         "trainer.max_epochs=3",
+        "seed=0",  # the trained job's (another seed would be another job: refused)
         f"ckpt_path={last}",
         "logger=csv",
         f"hydra.run.dir={run_dir}",

@@ -217,6 +217,8 @@ def finished_run(saved: Mapping[str, Any], cfg: DictConfig) -> str | None:
         return None
     if source.get("tracking_uri") != without_password(uri) or not store.talks_to_store(cfg):
         return None
+    if (database := sqlite_file(uri)) and not database.is_file():
+        return None  # no store here yet: asking would create one
     from mlflow import MlflowClient
 
     try:
