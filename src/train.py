@@ -109,12 +109,15 @@ def train(cfg: DictConfig, task: Task) -> float | None:
 
 
 def finished_job_run(saved: dict, cfg: DictConfig, ckpt_path: str) -> str | None:
-    """If the checkpoint's job finished (its folder's job.json holds a result, or its MLflow run
-    is FINISHED): that run's id ("" if unknown); else None (the job continues its own run)."""
-    run = tracking.finished_run(saved, cfg)
-    if run is None and not sweeps.job_finished(Path(ckpt_path).parent.parent):
-        return None
-    return run or (saved.get("mlflow") or {}).get("run_id", "")
+    """If the checkpoint's job finished: its run's id ("" if unknown); else None (the job goes on
+    in its own run). Its folder's job.json says (the result is written last); a folder without
+    one (a checkpoint moved, or older than job.json) asks whether its MLflow run FINISHED."""
+    folder = Path(ckpt_path).parent.parent
+    if (folder / sweeps.JOB_FILE).is_file():
+        if not sweeps.job_finished(folder):
+            return None  # Lightning ends the run FINISHED after fit, before testing: not done
+        return (saved.get("mlflow") or {}).get("run_id", "")
+    return tracking.finished_run(saved, cfg)
 
 
 @rank_zero_only
