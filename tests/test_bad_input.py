@@ -258,9 +258,10 @@ def test_a_checkpoint_of_another_network(
     given = tmp_path / "given"
     given.mkdir()
     shutil.copy(trained["run_dir"] / "checkpoints" / "last.ckpt", given)
+    # A new job from its weights: they must fit the network.
     stderr = fails_before_any_work(
         tmp_path,
-        "ckpt_path=given/last.ckpt",
+        "weights_from=given/last.ckpt",
         "model.net.channels=[4,16]",
         data_root=tiny_root,
         forked=forked,
@@ -270,6 +271,17 @@ def test_a_checkpoint_of_another_network(
         "checkpoint but (4, 1, 3, 3) in this model; the checkpoint was trained with "
         "model.net.channels=[8, 16] (here [4, 16])"
     ) in stderr
+    # A resume is its checkpoint's job: another network is another job, named as such.
+    stderr = fails_before_any_work(
+        tmp_path,
+        "ckpt_path=given/last.ckpt",
+        "model.net.channels=[4,16]",
+        data_root=tiny_root,
+        forked=forked,
+    )
+    assert "last.ckpt was trained with " in stderr
+    assert "model.net.channels=[8, 16] (here [4, 16])" in stderr
+    assert "weights_from=given/last.ckpt instead of ckpt_path" in stderr
 
 
 def test_an_output_folder_that_cannot_be_created(

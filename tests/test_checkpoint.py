@@ -18,12 +18,18 @@ from src.template.checkpoint import (
     CheckpointError,
     LastCheckpoint,
     check_fits,
+    check_same_job,
+    job_settings,
     load_for_inference,
+    nothing_left_to_train,
     read_checkpoint,
+    read_weights,
+    settings_to_record,
     shorten,
 )
 from src.template.resume import SeedEachBatch, step_seed
 from tests.conftest import PROJECT
+from tests.test_config import compose_config
 
 NET = {"channels": [8, 16], "hidden": 32, "dropout": 0.25, "batch_norm": True}
 
@@ -220,3 +226,82 @@ def test_best_file_copied_into_a_resumed_folder_is_never_rewritten_in_place(
         assert torch.equal(torch.load(reader, weights_only=True)["weights"], torch.arange(1000))
     assert torch.equal(torch.load(copied, weights_only=True)["weights"], -torch.arange(1000))
     assert not list(new.glob(".*.tmp"))
+
+
+def saved_job(cfg_overrides: list[str], workdir: Path) -> dict:
+    """A checkpoint's ``job`` entry as ``src.train`` writes it for these overrides."""
+    cfg = compose_config("train", cfg_overrides, workdir)
+    return {
+        "job": {"settings": settings_to_record(cfg, cfg.seed, None), "overrides": cfg_overrides}
+    }
+
+
+def test_a_resume_with_settings_that_decide_the_result_is_refused_naming_each(
+    tmp_path: Path,
+) -> None:
+    job = ["data=fashion_mnist", "trainer.limit_train_batches=150"]
+    saved = saved_job(job, tmp_path)
+    path = "/runs/a/checkpoints/last.ckpt"
+    # How long it trains, where and how fast: the same job.
+    same = [
+        *job,
+        "trainer.max_epochs=9",
+        "data.root=/elsewhere",
+        "data.num_workers=2",
+        "model.compile=true",
+        "trainer.num_sanity_val_steps=0",
+    ]
+    check_same_job(saved, compose_config("train", same, tmp_path), path)
+    other = ["data=fashion_mnist", "model.lr=0.1", "seed=7"]  # limit_train_batches: 1.0
+    with pytest.raises(CheckpointError) as refused:
+        check_same_job(saved, compose_config("train", other, tmp_path), path)
+    message = str(refused.value)
+    assert "\n" not in message
+    named = (
+        "trainer.limit_train_batches=150 (here 1.0)",
+        "model.lr=0.002 (here 0.1)",
+        "seed=1234 (here 7)",
+        "data.shuffle_seed=1234 (here 7)",
+    )
+    for differing in named:
+        assert differing in message, message
+    assert "data.root" not in message and "max_epochs" not in message
+    # The two ways on: the job's own command, and a new job from its weights.
+    own = f"python -m src.train data=fashion_mnist trainer.limit_train_batches=150 ckpt_path={path}"
+    assert own in message and f"weights_from={path}" in message
+
+
+def test_seed_null_on_resume_takes_the_checkpoints_seed_and_old_checkpoints_are_not_checked(
+    tmp_path: Path,
+) -> None:
+    saved = saved_job([], tmp_path)
+    cfg = compose_config("train", ["seed=null"], tmp_path)
+    check_same_job(saved, cfg, "last.ckpt")  # neither seed nor data.shuffle_seed compared
+    assert settings_to_record(cfg, 99, saved)["seed"] == 1234  # the checkpoint's, not drawn
+    check_same_job({}, compose_config("train", ["model.lr=0.5"], tmp_path), "last.ckpt")
+
+
+def test_resume_may_differ_lists_keys_the_config_has(tmp_path: Path) -> None:
+    cfg = compose_config("train", [], tmp_path)
+    settings = job_settings(cfg)
+    for key in cfg.resume_may_differ:
+        assert OmegaConf.select(cfg, key, default="missing") != "missing", key
+        assert key not in settings
+    assert {"trainer.limit_train_batches", "trainer.precision", "data.batch_size"} <= set(settings)
+
+
+def test_nothing_left_to_train_once_max_epochs_or_max_steps_is_reached() -> None:
+    def saved(epochs: int, step: int) -> dict:
+        progress = {"epoch_progress": {"current": {"processed": epochs}}}
+        return {"global_step": step, "loops": {"fit_loop": progress}}
+
+    assert nothing_left_to_train(saved(3, 30), {"max_epochs": 3, "max_steps": -1})
+    assert not nothing_left_to_train(saved(3, 30), {"max_epochs": 4, "max_steps": -1})
+    assert nothing_left_to_train(saved(1, 14), {"max_epochs": 3, "max_steps": 14})
+    assert not nothing_left_to_train(saved(1, 14), {"max_epochs": 3, "max_steps": -1})
+
+
+def test_ckpt_path_and_weights_from_together_are_refused(tmp_path: Path) -> None:
+    cfg = compose_config("train", ["ckpt_path=a.ckpt", "weights_from=b.ckpt"], tmp_path)
+    with pytest.raises(CheckpointError, match="keep one"):
+        read_weights(cfg)

@@ -4,6 +4,7 @@ resumed; the result must equal an uninterrupted job's."""
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from src.template.sweeps import JOB_FILE, resume_folder
 from tests.conftest import (
     N_TRAIN,
     PROJECT,
@@ -49,14 +51,21 @@ def reference(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def history(store: Path) -> tuple[object, dict[str, list[tuple[int, float]]]]:
+def history(store: Path, runs: int = 1) -> tuple[object, dict[str, list[tuple[int, float]]]]:
+    """The newest of the store's ``runs`` runs, and its epoch metrics' points."""
     client = MlflowClient(f"sqlite:///{store}")
-    (run,) = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+    experiment = client.get_experiment_by_name("mnist").experiment_id
+    found = client.search_runs([experiment], order_by=["attribute.start_time DESC"])
+    assert len(found) == runs, [r.info.run_id for r in found]
+    return history_of(client, found[0].info.run_id)
+
+
+def history_of(client: MlflowClient, run_id: str) -> tuple[object, dict]:
     points = {
-        key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
         for key in EPOCH_METRICS
     }
-    return run, points
+    return client.get_run(run_id), points
 
 
 def stopped_job(workdir: Path, args: list[str], signal_at: str | None) -> int:
@@ -109,8 +118,8 @@ def test_stopped_and_resumed_equals_uninterrupted(
     assert saved["global_step"] == stop_step, "stopped at another step than asked"
     assert (stop_step % STEPS_PER_EPOCH == 0) == ("epoch-end" in case), "mid-epoch as named"
     assert not list(last.parent.glob(".*.tmp")), "no temporary checkpoint left behind"
-    run, _ = history(tmp_path / "mlflow.db")
-    assert run.info.status == status
+    stopped_run, _ = history(tmp_path / "mlflow.db")
+    assert stopped_run.info.status == status
 
     resumed_args = [a for a in args if not a.startswith("trainer.max_steps")]
     resumed_dir = tmp_path / ("run" if again else "resumed")
@@ -129,9 +138,18 @@ def test_stopped_and_resumed_equals_uninterrupted(
         assert value == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-6), name
 
     # One run, continued: every epoch once (the cut one logged by the job that completed it).
+    # A job that finished (cut by max_steps) is never reopened: it trains on into a new run that
+    # starts with its epochs, and its own run stays as it was.
     _, expected_history = history(expected_dir / "mlflow.db")
-    run, resumed_history = history(tmp_path / "mlflow.db")
-    assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
+    finished = status == "FINISHED"
+    run, resumed_history = history(tmp_path / "mlflow.db", runs=2 if finished else 1)
+    assert run.info.status == "FINISHED"
+    if finished:
+        assert run.data.tags["continues_run"] == stopped_run.info.run_id
+        old = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(stopped_run.info.run_id)
+        assert old.info == stopped_run.info and old.data.metrics == stopped_run.data.metrics
+    else:
+        assert run.data.tags["resume.count"] == "1"
     for key, points in expected_history.items():
         assert [step for step, _ in resumed_history[key]] == list(range(EPOCHS)), key
         values = [value for _, value in resumed_history[key]]
@@ -166,10 +184,130 @@ def test_auto_starts_fresh_in_the_run_it_opened_and_never_repeats_a_finished_job
     assert (tmp_path / "run" / "metrics.json").read_bytes() == metrics
     rerun, _ = history(tmp_path / "mlflow.db")
     assert rerun.data.tags == run.data.tags and rerun.info.end_time == run.info.end_time
-    # Another override (one more epoch) is another job: it resumes from last.ckpt and trains on.
+    # One more epoch lengthens the job: it resumes from last.ckpt and trains on, into a new run
+    # (its finished run is never reopened).
     more = [a.replace(f"max_epochs={EPOCHS}", f"max_epochs={EPOCHS + 1}") for a in args]
     longer = run_entry("train", *more, cwd=tmp_path)
     assert "finished in an earlier run" not in longer.stdout
+    assert "it trains on into a new MLflow run" in longer.stdout, longer.stdout[-2000:]
+    new_run, points = history(tmp_path / "mlflow.db", runs=2)
+    assert new_run.data.tags["continues_run"] == run.info.run_id
+    assert all([step for step, _ in steps] == list(range(EPOCHS + 1)) for steps in points.values())
+    old = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run.info.run_id)
+    assert old.info == rerun.info and old.data.metrics == rerun.data.metrics
     assert "exists and is not empty" not in longer.stderr, "Lightning's warning, moot here"
     trained = torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)
     assert trained["global_step"] == expected["global_step"] + STEPS_PER_EPOCH
+
+
+def folder_contents(folder: Path) -> dict[Path, bytes]:
+    return {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+def assert_one_record(client: MlflowClient, run_id: str, folder: Path) -> None:
+    """The run's test metrics, its one logged model's and the folder's metrics.json agree."""
+    run = client.get_run(run_id)
+    (model,) = client.search_logged_models([run.info.experiment_id], f"source_run_id = '{run_id}'")
+    on_model = {metric.key: metric.value for metric in model.metrics}
+    for key, value in read_metrics(folder).items():
+        if key.startswith("test/"):
+            assert run.data.metrics[key] == pytest.approx(value), key
+            assert on_model[key] == pytest.approx(value), key
+
+
+@pytest.mark.slow
+def test_stop_refused_resume_resume_as_printed_again_lengthen_and_new_job_from_weights(
+    tiny_root: Path, tmp_path: Path
+) -> None:
+    """A user's sequence: each step leaves one true record per job (run, logged model and
+    metrics.json agree); a finished run is never reopened."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)])}
+    args = [*tiny_overrides(tiny_root), "trainer.max_epochs=2", "hydra.run.dir=run"]
+    stopped = run_job(
+        [sys.executable, "-m", "src.train", *args],
+        cwd=tmp_path,
+        env={**env, "SIGNAL_AT_STEP": "14:SIGTERM"},
+    )
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    (line,) = [x for x in stopped.stderr.splitlines() if x.startswith("Stopped. To continue: ")]
+    typed = line.removeprefix("Stopped. To continue: ").removesuffix(" (docs/resuming.md)")
+    command = shlex.split(typed)
+    folder, store = tmp_path / "run", tmp_path / "mlflow.db"
+    assert command[:3] == ["python", "-m", "src.train"]
+    assert command[-1] == f"ckpt_path={folder / 'checkpoints' / 'last.ckpt'}"
+    client = MlflowClient(f"sqlite:///{store}")
+    first, _ = history(store)
+    assert first.info.status == "KILLED"
+
+    # Another setting that decides the result: refused in one line, nothing changed.
+    before = folder_contents(folder)
+    other = [a.replace("data.batch_size=32", "data.batch_size=16") for a in command[3:]]
+    refused = run_entry("train", *other, cwd=tmp_path, check=False)
+    errors = [x for x in refused.stderr.splitlines() if x.startswith("Error:")]
+    assert refused.returncode == 1 and len(errors) == 1, refused.stderr[-3000:]
+    assert "data.batch_size=32 (here 16)" in errors[0] and typed in errors[0], errors[0]
+    assert folder_contents(folder) == before
+    assert client.get_run(first.info.run_id).info == first.info
+    assert not (tmp_path / "outputs").exists()
+
+    # The printed command as typed: the same folder, the same run.
+    resumed = run_job([sys.executable, *command[1:]], cwd=tmp_path, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not (tmp_path / "outputs").exists(), "a resume continues in the job's folder"
+    run, points = history(store)
+    assert run.info.run_id == first.info.run_id and run.info.status == "FINISHED"
+    assert all([step for step, _ in steps] == [0, 1] for steps in points.values())
+    assert_one_record(client, run.info.run_id, folder)
+
+    # The same again: nothing trained, tested or logged.
+    before = folder_contents(folder)
+    again = run_job([sys.executable, *command[1:]], cwd=tmp_path, env=env)
+    assert "this job finished; its result is read back" in again.stdout, again.stdout[-2000:]
+    assert folder_contents(folder) == before and not (tmp_path / "outputs").exists()
+    assert client.get_run(run.info.run_id).info == run.info
+    assert_one_record(client, run.info.run_id, folder)
+
+    # One more epoch: a new run (and folder) that shows every epoch once; the old one as it was.
+    longer = [a.replace("max_epochs=2", "max_epochs=3") for a in command[3:]]
+    run_entry("train", *longer, cwd=tmp_path)
+    new_run, points = history(store, runs=2)
+    assert new_run.data.tags["continues_run"] == run.info.run_id
+    assert all([step for step, _ in steps] == [0, 1, 2] for steps in points.values())
+    (new_folder,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
+    assert_one_record(client, new_run.info.run_id, new_folder)
+    assert client.get_run(run.info.run_id).info == run.info
+    assert_one_record(client, run.info.run_id, folder)
+
+    # A new job from its weights: a new run from epoch 0, its first epoch already good.
+    weights = [a for a in args if a != "hydra.run.dir=run"]
+    last = folder / "checkpoints" / "last.ckpt"
+    run_entry("train", *weights, f"weights_from={last}", "hydra.run.dir=fresh", cwd=tmp_path)
+    fresh, points = history(store, runs=3)
+    assert "continues_run" not in fresh.data.tags
+    assert all([step for step, _ in steps] == [0, 1] for steps in points.values())
+    _, original = history_of(client, run.info.run_id)
+    assert points["train/loss"][0][1] < original["train/loss"][0][1], "weights not loaded"
+    saved = torch.load(tmp_path / "fresh/checkpoints/last.ckpt", weights_only=True)
+    assert saved["global_step"] == 2 * STEPS_PER_EPOCH
+
+
+def test_a_resume_continues_in_the_stopped_jobs_folder_unless_told_or_finished(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "runs" / "a"
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / "checkpoints").mkdir()
+    last = folder / "checkpoints" / "last.ckpt"
+    last.write_bytes(b"")
+    resume = ["data=fashion_mnist", f"ckpt_path={last}"]
+    assert resume_folder(resume) == folder
+    assert resume_folder([*resume, "hydra.run.dir=elsewhere"]) is None  # the user's choice
+    assert resume_folder(["-m", *resume]) is None  # a sweep's jobs have their own folders
+    assert resume_folder(["ckpt_path=auto"]) is None
+    (folder / JOB_FILE).write_text(json.dumps({"overrides": []}))
+    assert resume_folder(resume) == folder  # started, not finished
+    (folder / JOB_FILE).write_text(json.dumps({"overrides": [], "result": 0.9}))
+    assert resume_folder(resume) is None  # finished: lengthening it is a new record
+    loose = tmp_path / "last.ckpt"
+    loose.write_bytes(b"")
+    assert resume_folder([f"ckpt_path={loose}"]) is None  # not in a job's folder

@@ -11,7 +11,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from src.template.shutdown import run_lifecycle
+from src.template.shutdown import run_lifecycle, stop_line
 from src.template.tracking import build_loggers, log_config
 from src.template.trainer import build_callbacks, build_trainer
 from tests.conftest import PROJECT, only_run
@@ -47,6 +47,16 @@ def assert_loadable(last: Path) -> None:
     assert not list(last.parent.glob(".*.tmp")), "no temporary checkpoint left behind"
 
 
+def test_the_stop_line_is_the_whole_command_as_typed_ckpt_path_last(tmp_path: Path) -> None:
+    overrides = ["data=fashion_mnist", "model.net.channels=[8,16]", "logger.notes=a b"]
+    line = stop_line(overrides, "run/checkpoints/last.ckpt")
+    last = Path.cwd() / "run/checkpoints/last.ckpt"
+    assert line == (
+        "Stopped. To continue: python -m src.train data=fashion_mnist "
+        f"'model.net.channels=[8,16]' 'logger.notes=a b' ckpt_path={last} (docs/resuming.md)"
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("stop", "devices"),
@@ -62,7 +72,8 @@ def test_stop_signal_on_the_launcher_stops_every_rank(
     assert job.proc.returncode == 128 + stop, job.stderr[-3000:]
     log = (job.run_dir / "train.log").read_text()
     assert f"rank 0: {stop.name} received: stopping after the current training step" in log
-    assert f"Stopped: ckpt_path={job.last} continues from here" in job.stderr, job.stderr[-3000:]
+    assert "Stopped. To continue: python -m src.train " in job.stderr, job.stderr[-3000:]
+    assert f"ckpt_path={job.last} (docs/resuming.md)" in job.stderr
     assert_gone(processes)
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "KILLED"

@@ -1,8 +1,10 @@
 """Checkpoint files: written atomically, best and last kept across a resume into another folder,
-checked before use (naming what differs), loaded with their data settings for eval and predict."""
+checked before use (naming what differs), loaded with their data settings for eval and predict.
+Each carries its job (settings and overrides): a resume must be the same job."""
 
 import inspect
 import pickle
+import shlex
 import textwrap
 import warnings
 import zipfile
@@ -13,10 +15,11 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torchmetrics import Metric
 
 from src.template.config import flatten
@@ -225,6 +228,139 @@ def plain(value: Any) -> Any:
     return [plain(item) for item in value] if isinstance(value, list | tuple) else value
 
 
+RESULT_SECTIONS = ("seed", "data", "model", "trainer")  # what decides a job's result
+NOT_THE_JOB = ("ckpt_path=", "weights_from=")  # overrides that say where a job starts, not what
+
+
+def job_settings(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved values that decide a job's result (``data.batch_size``: 32): every key of
+    :data:`RESULT_SECTIONS` but those in ``resume_may_differ`` (how long, where and how fast)."""
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    values = flatten({key: resolved[key] for key in RESULT_SECTIONS if key in resolved})
+    free = tuple(cfg.get("resume_may_differ") or ())
+    return {
+        key: value
+        for key, value in values.items()
+        if not any(key == other or key.startswith(f"{other}.") for other in free)
+    }
+
+
+def follows_seed(cfg: DictConfig) -> set[str]:
+    """``seed`` and the keys set to ``${seed}`` (``data.shuffle_seed``): with ``seed=null`` a
+    resume takes the checkpoint's seed, so they are not compared."""
+    raw = flatten({key: OmegaConf.to_container(cfg[key]) for key in ("data", "model")})
+    return {"seed", *(key for key, value in raw.items() if value == "${seed}")}
+
+
+def job_overrides() -> list[str]:
+    """The command's overrides that make the job (Hydra's), without where it starts from."""
+    return [o for o in HydraConfig.get().overrides.task if not o.startswith(NOT_THE_JOB)]
+
+
+def resume_command(overrides: Iterable[str], ckpt_path: str | Path) -> str:
+    """The command that continues the job of ``overrides`` from ``ckpt_path``, quoted for a
+    POSIX shell: the job's own overrides, ``ckpt_path`` last."""
+    return shlex.join(["python", "-m", "src.train", *overrides, f"ckpt_path={ckpt_path}"])
+
+
+def settings_to_record(
+    cfg: DictConfig, seed: int, saved: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The job's settings with the seed it trains with: under ``seed=null`` the one drawn, or on
+    resume the checkpoint's (it travels in the checkpoint)."""
+    settings = {**job_settings(cfg), "seed": seed}
+    earlier = ((saved or {}).get("job") or {}).get("settings", {})
+    if cfg.seed is None:
+        settings.update({key: earlier[key] for key in follows_seed(cfg) if key in earlier})
+    return settings
+
+
+class JobRecord(Callback):
+    """Stores the job in every checkpoint (rank 0's is saved): the settings that decide its result
+    (a resume must match them) and its overrides (the command that continues it)."""
+
+    def __init__(self, settings: Mapping[str, Any], overrides: list[str]) -> None:
+        self.job = {"settings": dict(settings), "overrides": list(overrides)}
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint["job"] = self.job
+
+
+def setting_differences(
+    trained: Mapping[str, Any], current: Mapping[str, Any], skip: Iterable[str] = ()
+) -> list[str]:
+    """``<key>=<trained> (here <current>)`` for each key set on both sides that differs."""
+    skipped = set(skip)
+    return [
+        f"{key}={trained[key]} (here {current[key]})"
+        for key in trained
+        if key in current and key not in skipped and plain(trained[key]) != plain(current[key])
+    ]
+
+
+def check_same_job(saved: Mapping[str, Any], cfg: DictConfig, ckpt_path: str) -> None:
+    """Refuse a resume whose settings differ from its checkpoint's job in anything that decides
+    the result: it would record another job's numbers in that job's run and folder. (A
+    checkpoint older than this check carries no job: nothing to compare.)"""
+    job = saved.get("job")
+    if not job:
+        return
+    skip = follows_seed(cfg) if cfg.seed is None else set()
+    differing = setting_differences(job["settings"], job_settings(cfg), skip)
+    if differing:
+        raise CheckpointError(
+            f"{Path(ckpt_path).name} was trained with {', '.join(differing)}; a resume continues "
+            f"that job. Continue it with its own settings: "
+            f"{resume_command(job['overrides'], ckpt_path)}; or start a new job from its "
+            f"weights: weights_from={ckpt_path} instead of ckpt_path"
+        )
+
+
+def epochs_done(saved: Mapping[str, Any]) -> int:
+    """The whole epochs a checkpoint's job trained (Lightning counts an epoch processed before
+    its end-of-epoch checkpoint is written)."""
+    return saved["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"]
+
+
+def nothing_left_to_train(saved: Mapping[str, Any], trainer: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint's job already reached ``trainer.max_epochs`` or ``max_steps``."""
+    max_steps = trainer.get("max_steps", -1)
+    if max_steps is not None and max_steps != -1 and saved["global_step"] >= max_steps:
+        return True
+    max_epochs = trainer.get("max_epochs")
+    return max_epochs is not None and max_epochs != -1 and epochs_done(saved) >= max_epochs
+
+
+def read_weights(cfg: DictConfig) -> dict[str, Any] | None:
+    """``weights_from=<ckpt>``'s contents (a new job starts from its weights); refused with
+    ``ckpt_path``, which continues a job instead."""
+    source = cfg.get("weights_from")
+    if source and cfg.ckpt_path:
+        raise CheckpointError(
+            f"ckpt_path={cfg.ckpt_path} and weights_from={source} together: ckpt_path continues "
+            "a job, weights_from starts a new one from a checkpoint's weights; keep one"
+        )
+    return read_checkpoint(source) if source else None
+
+
+def learned_weights(model: L.LightningModule, state: Mapping[str, Any]) -> dict[str, Any]:
+    """The learned tensors only: metric states (torchmetrics) may be newer or older."""
+    metrics = tuple(
+        f"{key}." for key, module in model.named_modules() if isinstance(module, Metric)
+    )
+    return {k: v for k, v in state.items() if not k.startswith(metrics)}
+
+
+def load_weights(model: L.LightningModule, saved: Mapping[str, Any], name: str) -> None:
+    """Load a checkpoint's learned weights into ``model``, once they are checked to fit."""
+    weights = learned_weights(model, saved["state_dict"])
+    expected = learned_weights(model, model.state_dict())
+    check_weights_fit({**saved, "state_dict": weights}, expected, name, model.hparams)
+    model.load_state_dict(weights, strict=False)
+
+
 def model_from_checkpoint(saved: Mapping[str, Any], name: str, task: Task) -> L.LightningModule:
     """The model rebuilt from the checkpoint's hyperparameters, new keys at today's defaults; keys
     unknown or lacking are refused by name (``load_from_checkpoint`` would name tensors)."""
@@ -252,14 +388,7 @@ def model_from_checkpoint(saved: Mapping[str, Any], name: str, task: Task) -> L.
             stacklevel=2,
         )
     model = task.model_class(**hparams)
-    # The learned tensors only: metric states (torchmetrics) may be newer or older.
-    metrics = tuple(
-        f"{key}." for key, module in model.named_modules() if isinstance(module, Metric)
-    )
-    weights = {k: v for k, v in saved["state_dict"].items() if not k.startswith(metrics)}
-    expected = {k: v for k, v in model.state_dict().items() if not k.startswith(metrics)}
-    check_weights_fit({**saved, "state_dict": weights}, expected, name, model.hparams)
-    model.load_state_dict(weights, strict=False)
+    load_weights(model, saved, name)
     return model
 
 

@@ -1,7 +1,9 @@
 """The train, eval and predict entry points: compose the config with Hydra, run the job with
 the task, end expected errors (bad input, a failed rank) in one line."""
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,14 @@ def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -
             return job(cfg, task)
 
     sweeps.register_resolvers()
-    with environment(HYDRA_FULL_ERROR="1"), sweep_report.reported_at_end(task.mode):
+    folder = sweeps.resume_folder(sys.argv[1:]) if config_name == "train" else None
+    if folder:  # a resume continues in the stopped job's folder: one job, one folder
+        sys.argv.append(f"hydra.run.dir={folder}")
+    with (
+        environment(HYDRA_FULL_ERROR="1"),
+        sweep_report.reported_at_end(task.mode),
+        left_as_it_was_if_refused(folder),
+    ):
         try:
             run()
         except (HydraException, OmegaConfBaseException) as error:
@@ -52,3 +61,25 @@ def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -
         except expected as error:
             reporting.show_error(str(error))
             raise SystemExit(1) from None
+
+
+@contextmanager
+def left_as_it_was_if_refused(folder: Path | None) -> Iterator[None]:
+    """A resume refused in the stopped job's ``folder`` leaves it as it was: Hydra rewrites its
+    ``.hydra/`` record and appends to its log before the job's checks run. A job that got as far
+    as writing ``config.yaml`` (its checks passed) keeps what it wrote."""
+    if folder is None:
+        yield
+        return
+    files = [path for path in (*folder.glob(".hydra/*"), *folder.glob("*.log")) if path.is_file()]
+    before = {path: path.read_bytes() for path in files}
+    config = folder / "config.yaml"
+    stamp = config.stat().st_mtime_ns if config.is_file() else None
+    try:
+        yield
+    except SystemExit as stop:
+        written = config.stat().st_mtime_ns if config.is_file() else None
+        if stop.code and written == stamp:
+            for path, content in before.items():
+                path.write_bytes(content)
+        raise

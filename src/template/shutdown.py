@@ -17,7 +17,7 @@ import lightning.pytorch as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
-from src.template.checkpoint import resume_path, save_last
+from src.template.checkpoint import job_overrides, resume_command, resume_path, save_last
 from src.template.resume import epoch_finished
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,12 @@ def dead_ranks(procs: list[subprocess.Popen], first_rank: int, output_dir: str) 
     ]
 
 
+def stop_line(overrides: list[str], last: str) -> str:
+    """What a stopped job says last: the whole command that continues it, as typed."""
+    command = resume_command(overrides, Path(last).absolute())
+    return f"Stopped. To continue: {command} (docs/resuming.md)"
+
+
 @contextmanager
 def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
     """End the run KILLED on a stop signal, exit 128 + its number (Lightning: "failed", exit 1);
@@ -124,8 +130,7 @@ def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
             # Only rank 0 fails: under srun --kill-on-bad-exit another rank would get it killed.
             code = 128 + (stop.requested or signal.SIGINT) if trainer.global_rank == 0 else 0
             if code and (last := resume_path("auto", Path(trainer.default_root_dir))):
-                print(f"Stopped: ckpt_path={last} continues from here (docs/resuming.md)",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(stop_line(job_overrides(), last), file=sys.stderr, flush=True)
             raise SystemExit(code) from error
         procs = getattr(trainer.strategy.launcher, "procs", None) or []  # none in a rank process
         deadline = time.monotonic() + 1  # a rank's sockets close just before it is reaped

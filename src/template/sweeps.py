@@ -79,12 +79,46 @@ def earlier_run(output_dir: Path, ckpt_path: str | None) -> dict[str, Any] | Non
 
 
 @rank_zero_only
-def record_job(output_dir: Path, ckpt_path: str | None, **result: float | None) -> None:
-    """The job's overrides in its folder once it starts, and ``result=`` once it finished: run
-    again in its folder (:func:`same_job_again`), it resumes, or is not trained again."""
-    if same_job_again(ckpt_path):
-        overrides = list(HydraConfig.get().overrides.task)
-        write_text_atomically(output_dir / JOB_FILE, json.dumps({"overrides": overrides, **result}))
+def record_job(output_dir: Path, **result: float | None) -> None:
+    """Every job's overrides in its folder once it starts, and ``result=`` once it finished: run
+    again in its folder (:func:`same_job_again`), it resumes, or is not trained again; a finished
+    job is never reopened (:func:`job_finished`)."""
+    overrides = list(HydraConfig.get().overrides.task)
+    write_text_atomically(output_dir / JOB_FILE, json.dumps({"overrides": overrides, **result}))
+
+
+def job_finished(folder: Path) -> bool:
+    """Whether the job whose folder this is ended with a result (its ``job.json`` says so)."""
+    path = folder / JOB_FILE
+    return path.is_file() and "result" in json.loads(path.read_text())
+
+
+def finished_result(folder: Path, metric: str) -> float | None:
+    """A finished job's ``metric``, read back from its ``metrics.json`` (else its job.json)."""
+    metrics = folder / "metrics.json"
+    if metrics.is_file():
+        return json.loads(metrics.read_text()).get(metric)
+    path = folder / JOB_FILE
+    return json.loads(path.read_text()).get("result") if path.is_file() else None
+
+
+def resume_folder(argv: Sequence[str]) -> Path | None:
+    """Where a resume (``ckpt_path=<F>/checkpoints/<x>.ckpt``) writes: the stopped job's folder F,
+    so one job is one folder. None (Hydra picks a new folder) for a sweep, a command naming its
+    folder, a checkpoint outside a job's folder, or a job that finished (lengthening it starts
+    a new record)."""
+    if any(arg in ("-m", "--multirun") or arg.startswith("hydra.run.dir=") for arg in argv):
+        return None
+    paths = [arg.partition("=")[2] for arg in argv if arg.startswith("ckpt_path=")]
+    if not paths or paths[-1] == "auto":
+        return None
+    ckpt = Path(paths[-1]).absolute()
+    folder = ckpt.parent.parent
+    if ckpt.suffix != ".ckpt" or ckpt.parent.name != "checkpoints" or not ckpt.is_file():
+        return None
+    if not (folder / ".hydra").is_dir() or job_finished(folder):
+        return None
+    return folder
 
 
 def sweep_overrides(folder: Path) -> list[str]:

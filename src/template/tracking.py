@@ -208,6 +208,47 @@ def run_to_continue(
     return run_id
 
 
+def finished_run(saved: Mapping[str, Any], cfg: DictConfig) -> str | None:
+    """The checkpoint's MLflow run if it FINISHED, in this store, when the store answers (a
+    finished run is never reopened: a lengthened job records into a new run)."""
+    source = saved.get("mlflow") or {}
+    uri = cfg.logger.get("tracking_uri", "")
+    if cfg.logger.kind != "mlflow" or cfg.logger.get("offline") or not source:
+        return None
+    if source.get("tracking_uri") != without_password(uri) or not store.talks_to_store(cfg):
+        return None
+    if (database := sqlite_file(uri)) and not database.is_file():
+        return None  # no store here yet: asking would create one
+    from mlflow import MlflowClient
+
+    try:
+        run = MlflowClient(uri).get_run(source["run_id"])
+    except Exception:  # gone, or the store does not answer: nothing to protect
+        return None
+    return run.info.run_id if run.info.status == "FINISHED" else None
+
+
+@rank_zero_only
+def copy_history(loggers: list[Logger], cfg: DictConfig, old_run: str, before_step: int) -> None:
+    """A lengthened job's new run starts with its finished run's epochs (steps before
+    ``before_step``; its test metrics, at the final epoch count, stay behind): the new run shows
+    every epoch once, and the old run is left as it was."""
+    from mlflow import MlflowClient
+
+    logger = mlflow_logger(loggers)
+    if logger is None or getattr(logger, "offline", False):
+        return
+    source = MlflowClient(cfg.logger.tracking_uri)
+    points = [
+        point
+        for key in source.get_run(old_run).data.metrics
+        for point in source.get_metric_history(old_run, key)
+        if point.step < before_step
+    ]
+    for start in range(0, len(points), 1000):  # MLflow's most metrics in one batch
+        logger.experiment.log_batch(logger.run_id, metrics=points[start : start + 1000])
+
+
 def log_config(loggers: list[Logger], cfg: DictConfig, trainer: L.Trainer) -> None:
     """The resolved config and what the hardware made of it as params; the run's id in the output
     folder: a job stopped before its first checkpoint continues it (``ckpt_path=auto``)."""
