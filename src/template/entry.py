@@ -44,11 +44,13 @@ def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -
             return job(cfg, task)
 
     sweeps.register_resolvers()
+    sys.argv[1:] = store.credentials_to_environment(sys.argv[1:])  # before Hydra records them
     folder = sweeps.resume_folder(sys.argv[1:]) if config_name == "train" else None
     if folder:  # a resume continues in the stopped job's folder: one job, one folder
         sys.argv.append(f"hydra.run.dir={folder}")
     with (
-        environment(HYDRA_FULL_ERROR="1"),
+        # MLflow's own "View run" lines: the job prints its run's page once, without a password.
+        environment(HYDRA_FULL_ERROR="1", MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT="true"),
         sweep_report.reported_at_end(task.mode),
         left_as_it_was_if_refused(folder),
     ):

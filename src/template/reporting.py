@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from src.template.sweeps import in_multirun, sweep_overrides
+from src.template.sweeps import JOB_FILE, in_multirun, sweep_overrides
 from src.template.task import Task
 
 console, errors = Console(), Console(stderr=True)
@@ -96,13 +96,14 @@ def check_writable(folder: Path) -> Path | None:
 
 def remove_attempt_record() -> None:
     """Delete the folders this run created if all they hold is Hydra's record of the attempt
-    (``.hydra/``, the job's log) and ``config.yaml``: a refused job leaves nothing behind."""
+    (``.hydra/``, the job's log), ``config.yaml`` and ``job.json`` (the job started, with no
+    result): a refused job leaves nothing behind."""
     created = _created_by_this_job
     if created is None or rank_zero_only.rank != 0 or not HydraConfig.initialized():
         return
     hydra = HydraConfig.get()
     out = Path(hydra.runtime.output_dir)
-    record = {out / "config.yaml", out / f"{hydra.job.name}.log"}
+    record = {out / "config.yaml", out / f"{hydra.job.name}.log", out / JOB_FILE}
     files = [path for path in created.rglob("*") if not path.is_dir()]
     if out.is_relative_to(created) and all(
         path in record or path.is_relative_to(out / ".hydra") for path in files

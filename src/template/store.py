@@ -4,6 +4,7 @@ URIs and values safe to store and show."""
 import fcntl
 import os
 import re
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,8 @@ from src.template.files import folder_kept_if_used
 MASK = "***"
 SECRET_KEY = re.compile(r"password|token|secret|key", re.IGNORECASE)  # values logged as ***
 URL_CREDENTIALS = re.compile(r"(\w+://[^/:@\s]+):[^@\s]+@")
+# Where MLflow's client reads a server's basic-auth account (docs/mlflow.md).
+CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 # MLflow 3's experiment kind for model training (its 3.17 UI ignores it yet, mlflow/mlflow#24498)
 EXPERIMENT_KIND, TRAINING = "mlflow.experimentKind", "custom_model_development"
 EXPERIMENT_TAGS = {EXPERIMENT_KIND: TRAINING}
@@ -63,6 +66,8 @@ def prepare_store(tracking_uri: str, experiment_name: str) -> None:
                 open_experiment(tracking_uri, experiment_name)
     except Exception as error:
         reason = first_line(error, 200)
+        if refused := refusal(tracking_uri, experiment_name, error):
+            raise TrackingError(refused) from error
         raise TrackingError(
             f"MLflow store {tracking_uri} cannot be opened ({reason}). Set "
             "logger.tracking_uri=sqlite:///<a folder you can write to>/mlflow.db"
@@ -70,6 +75,56 @@ def prepare_store(tracking_uri: str, experiment_name: str) -> None:
             else f"MLflow server {mask_text(tracking_uri)} is not reachable ({reason}). Start it "
             "(docs/mlflow.md: MLflow server) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
         ) from error
+
+
+def refusal(tracking_uri: str, experiment_name: str, error: Exception) -> str | None:
+    """A server with authentication that answered no, in one line saying which no and what to do
+    (None for any other error): wrong credentials (HTTP 401) are not an unreachable server, and
+    an account that may read an experiment may not be allowed to write runs into it (403)."""
+    status = error.get_http_status_code() if hasattr(error, "get_http_status_code") else None
+    server = mask_text(tracking_uri)
+    if status == 401:
+        return (
+            f"MLflow server {server} refused the credentials (HTTP 401). Set "
+            f"{CREDENTIALS[0]} and {CREDENTIALS[1]} to your account on that server"
+        )
+    if status == 403:
+        user = os.environ.get(CREDENTIALS[0], "this account")
+        return (
+            f"MLflow server {server}: {user} may not write runs into experiment "
+            f"{experiment_name} (HTTP 403). Ask the server's admin for EDIT on it, or log to an "
+            "experiment of your own: logger.experiment_name=<a new name>"
+        )
+    return None
+
+
+def credentials_to_environment(overrides: list[str]) -> list[str]:
+    """A password typed in the tracking URI (``logger.tracking_uri=http://user:password@host``)
+    moves to MLflow's own variables before Hydra records the command, so no config file, log,
+    printed line or run artifact holds it: the overrides come back without it."""
+    moved = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        parts = urllib.parse.urlsplit(value) if sep else None
+        if key.lstrip("+") != "logger.tracking_uri" or parts is None or parts.password is None:
+            moved.append(override)
+            continue
+        os.environ[CREDENTIALS[0]] = urllib.parse.unquote(parts.username or "")
+        os.environ[CREDENTIALS[1]] = urllib.parse.unquote(parts.password)
+        host = parts.netloc.rpartition("@")[2]
+        moved.append(f"{key}={urllib.parse.urlunsplit(parts._replace(netloc=host))}")
+    return moved
+
+
+def refuse_password_in_config(tracking_uri: str) -> None:
+    """A password in a config file's tracking URI would be copied into every output folder
+    (Hydra's record) and the run's config artifact: refused, with where it belongs."""
+    if URL_CREDENTIALS.search(tracking_uri):
+        raise TrackingError(
+            f"logger.tracking_uri={mask_text(tracking_uri)} holds a password, which would be "
+            f"written to the output folder and the run: set {CREDENTIALS[0]} and "
+            f"{CREDENTIALS[1]} in the environment instead (on the command line it is moved there)"
+        )
 
 
 def open_experiment(tracking_uri: str, experiment_name: str) -> None:

@@ -117,6 +117,7 @@ def build_loggers(
         )
     tags = {**run_tags(cfg), **(extra_tags or {})}
     tags = {**user_tags(cfg.logger, reserved=list(tags)), **tags}
+    store.refuse_password_in_config(uri)  # one typed on the command line is gone by now
     if not offline:
         store.prepare_store(uri, cfg.logger.experiment_name)
     if parent := sweep_run.parent_run(cfg):  # a sweep job's run nests under its sweep's
@@ -316,6 +317,17 @@ def log_params(logger: MLFlowLogger, params: Mapping[str, Any]) -> None:
     client.log_batch(run_id, params=entries, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
+def opened_run(logger: MLFlowLogger, tracking_uri: str, experiment_name: str) -> Any:
+    """The server's client, once it opened the run; an account that may read the experiment but
+    not write runs into it is refused here, in one line (:func:`store.refusal`)."""
+    try:
+        return logger.experiment
+    except Exception as error:
+        if refused := store.refusal(tracking_uri, experiment_name, error):
+            raise TrackingError(refused) from error
+        raise
+
+
 @contextmanager
 def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
     """Against a server, the run's records go through the outbox (SQLite is written directly);
@@ -323,7 +335,7 @@ def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
     logger = mlflow_logger(loggers)
     uri = cfg.logger.get("tracking_uri", "")
     if isinstance(logger, EpochMLFlowLogger) and logger.outbox is None and not sqlite_file(uri):
-        client = logger.experiment  # the server's: it opens the run
+        client = opened_run(logger, uri, cfg.logger.experiment_name)
         logger.outbox = Outbox(Path(cfg.paths.output_dir), without_password(uri))
         logger.sender = Sender(logger.outbox, client)
         logger.sender.start()

@@ -1,0 +1,145 @@
+"""The store a job logs to, against a real MLflow server with its basic-auth app: an account
+that may not write, or wrong credentials, end the job in one line that says which; a password
+typed in the tracking URI reaches no file, printed line, param or artifact."""
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, UNAUTHENTICATED
+from mlflow.server.auth.client import AuthServiceClient
+
+from src.template.store import (
+    CREDENTIALS,
+    TrackingError,
+    credentials_to_environment,
+    refusal,
+    refuse_password_in_config,
+)
+from tests.conftest import local_server_argv, mlflow_server, run_entry, tiny_overrides
+from tests.test_readme import arguments, override, page_command
+
+ADMIN_PASSWORD = "admin-pass-0123"
+USERS = {"ann": "ann-pass-89ab", "reader": "reader-pass-4567"}
+
+
+def test_a_password_typed_in_the_uri_moves_to_mlflows_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in CREDENTIALS:
+        monkeypatch.delenv(name, raising=False)
+    typed = ["data=mnist", "logger.tracking_uri=https://ann%40lab:p%3Ass@mlflow.lab:8443/x"]
+    assert credentials_to_environment(typed) == [
+        "data=mnist",
+        "logger.tracking_uri=https://mlflow.lab:8443/x",
+    ]
+    assert [os.environ[name] for name in CREDENTIALS] == ["ann@lab", "p:ss"]
+    unchanged = ["logger.tracking_uri=http://ann@host:5000", "logger.run_name=a:b@c"]
+    assert credentials_to_environment(unchanged) == unchanged
+
+
+def test_a_password_in_a_config_file_is_refused_with_where_it_belongs() -> None:
+    with pytest.raises(TrackingError, match="MLFLOW_TRACKING_PASSWORD in the environment") as e:
+        refuse_password_in_config("http://ann:hunter2@host:5000")
+    assert "hunter2" not in str(e.value)
+    refuse_password_in_config("http://host:5000")  # no password: nothing to say
+
+
+def test_a_servers_no_is_told_apart_from_an_unreachable_server() -> None:
+    wrong = MlflowException("failed with error code 401", error_code=UNAUTHENTICATED)
+    assert "refused the credentials (HTTP 401)" in refusal("http://h:1", "mnist", wrong)
+    denied = MlflowException("failed with error code 403", error_code=PERMISSION_DENIED)
+    assert "may not write runs into experiment mnist" in refusal("http://h:1", "mnist", denied)
+    assert refusal("http://h:1", "mnist", ConnectionError("refused")) is None
+
+
+@pytest.fixture
+def auth_server(tmp_path: Path) -> Iterator[str]:
+    """``mlflow server --app-name basic-auth`` with an admin and two users, ann and reader. A new
+    user may create experiments; on others' experiments MLflow gives READ (its default)."""
+    folder = tmp_path / "auth-server"
+    folder.mkdir()
+    config = folder / "basic_auth.ini"
+    config.write_text(
+        "[mlflow]\ndefault_permission = READ\n"
+        f"database_uri = sqlite:///{folder / 'users.db'}\nadmin_username = admin\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [*local_server_argv(port, folder), "--app-name", "basic-auth"]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_AUTH_CONFIG_PATH", str(config))
+        env.setenv("MLFLOW_AUTH_ADMIN_PASSWORD", ADMIN_PASSWORD)
+        env.setenv("MLFLOW_FLASK_SERVER_SECRET_KEY", "test-only-secret")
+        with mlflow_server(argv, port, folder) as url:
+            env.setenv(CREDENTIALS[0], "admin")
+            env.setenv(CREDENTIALS[1], ADMIN_PASSWORD)
+            for user, password in USERS.items():
+                AuthServiceClient(url).create_user(user, password)
+            env.delenv(CREDENTIALS[0])
+            env.delenv(CREDENTIALS[1])
+            yield url
+
+
+def one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    (line,) = [line for line in stderr.splitlines() if line.startswith("Error:")]
+    return line
+
+
+@pytest.mark.slow
+def test_a_team_server_with_accounts_as_docs_mlflow_md_shows(
+    auth_server: str, tiny_root: Path, tmp_path: Path
+) -> None:
+    """The page's command (ann's account in MLflow's variables) logs her run; her password typed
+    in the URI instead reaches no file, printed line, param, tag or artifact; an account that
+    may only read her experiment, and a wrong password, end in one line each, leaving nothing."""
+    tokens = page_command("test_a_team_server_with_accounts_as_docs_mlflow_md_shows")
+    assignments = [token.partition("=") for token in tokens[: tokens.index("python")]]
+    env = {name: value.replace("<password>", USERS["ann"]) for name, _, value in assignments}
+    uri = override(tokens, "logger.tracking_uri")
+    host = auth_server.removeprefix("http://")
+    job = [*tiny_overrides(tiny_root), "trainer.max_epochs=1"]
+    typed = [arg.replace(uri, auth_server) for arg in arguments(tokens)]
+    run_entry("train", *typed, *job, "hydra.run.dir=page", cwd=tmp_path, env=env)
+
+    ann = f"logger.tracking_uri=http://ann:{USERS['ann']}@{host}"
+    proc = run_entry("train", *job, ann, "hydra.run.dir=run", cwd=tmp_path)
+    printed = proc.stdout + proc.stderr
+    assert USERS["ann"] not in printed, "printed"
+    assert "View run" not in printed, "MLflow's own link lines: the job prints its run page once"
+    assert printed.count("MLflow run: ") == 1, printed[-2000:]
+    for path in (tmp_path / "run").rglob("*"):
+        if path.is_file():
+            assert USERS["ann"].encode() not in path.read_bytes(), path
+    with pytest.MonkeyPatch.context() as login:
+        login.setenv(CREDENTIALS[0], "ann")
+        login.setenv(CREDENTIALS[1], USERS["ann"])
+        client = MlflowClient(auth_server)
+        runs = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+        assert [run.info.status for run in runs] == ["FINISHED", "FINISHED"]
+        run = runs[0]  # the newer (search_runs: the latest start first)
+        assert all(USERS["ann"] not in value for value in run.data.params.values())
+        assert all(USERS["ann"] not in value for value in run.data.tags.values())
+        config = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path)))
+        assert USERS["ann"] not in config.read_text()
+
+    (tmp_path / "refused").mkdir()
+    reader = f"logger.tracking_uri=http://reader:{USERS['reader']}@{host}"
+    proc = run_entry("train", *job, reader, cwd=tmp_path / "refused", check=False)
+    assert proc.returncode == 1
+    line = one_error_line(proc.stderr)
+    assert "reader may not write runs into experiment mnist (HTTP 403)" in line, line
+    assert "logger.experiment_name=" in line and USERS["reader"] not in line
+    wrong = f"logger.tracking_uri=http://reader:not-the-password@{host}"
+    proc = run_entry("train", *job, wrong, cwd=tmp_path / "refused", check=False)
+    assert proc.returncode == 1
+    line = one_error_line(proc.stderr)
+    assert "refused the credentials (HTTP 401)" in line and "not reachable" not in line, line
+    assert list((tmp_path / "refused").iterdir()) == [], "a refused job leaves no folder"
