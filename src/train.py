@@ -88,7 +88,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
     trainer = build_trainer(cfg, loggers, callbacks, fitting=True, sync_batchnorm=sync_bn)
     with tracking.sending(loggers, cfg), run_lifecycle(trainer):
         tracking.log_config(loggers, cfg, trainer)
-        if finished_run:
+        if finished_run and cfg.logger.get("continue_run", True):  # false: only its own epochs
             tracking.copy_history(loggers, cfg, finished_run, checkpoint.epochs_done(resume))
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}

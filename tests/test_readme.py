@@ -473,6 +473,9 @@ def check_outputs(tokens: list[str], proc: subprocess.CompletedProcess, workdir:
         assert not list(workdir.iterdir()), f"wrote {listing(workdir)}"
         return
     task, split = task_of(tokens), override(tokens, "split") or "test"
+    if "this job finished; its result is read back" in proc.stdout:  # resuming a finished job
+        assert not list(workdir.glob("outputs/*/runs/*")), "nothing trained: no new folder"
+        return
     jobs = job_dirs(tokens, workdir)
     resumed = override(tokens, "ckpt_path") is not None
     for job in jobs:
