@@ -213,11 +213,13 @@ def check_weights_fit(
 
 
 def differences(
-    trained: Mapping[str, Any], current: Mapping[str, Any], keys: Iterable[str], section: str
+    trained: Mapping[str, Any], current: Mapping[str, Any], keys: Iterable[str], section: str = ""
 ) -> list[str]:
-    """``<section>.<key>=<trained> (here <current>)`` for each of ``keys`` that differs."""
+    """``<section>.<key>=<trained> (here <current>)`` for each of ``keys`` set on both sides that
+    differs (keys already dotted, as a job's settings are, need no ``section``)."""
+    prefix = f"{section}." if section else ""
     return [
-        f"{section}.{key}={trained[key]} (here {current[key]})"
+        f"{prefix}{key}={trained[key]} (here {current[key]})"
         for key in keys
         if key in trained and key in current and plain(trained[key]) != plain(current[key])
     ]
@@ -288,18 +290,6 @@ class JobRecord(Callback):
         checkpoint["job"] = self.job
 
 
-def setting_differences(
-    trained: Mapping[str, Any], current: Mapping[str, Any], skip: Iterable[str] = ()
-) -> list[str]:
-    """``<key>=<trained> (here <current>)`` for each key set on both sides that differs."""
-    skipped = set(skip)
-    return [
-        f"{key}={trained[key]} (here {current[key]})"
-        for key in trained
-        if key in current and key not in skipped and plain(trained[key]) != plain(current[key])
-    ]
-
-
 def check_same_job(saved: Mapping[str, Any], cfg: DictConfig, ckpt_path: str) -> None:
     """Refuse a resume whose settings differ from its checkpoint's job in anything that decides
     the result: it would record another job's numbers in that job's run and folder. (A
@@ -308,7 +298,8 @@ def check_same_job(saved: Mapping[str, Any], cfg: DictConfig, ckpt_path: str) ->
     if not job:
         return
     skip = follows_seed(cfg) if cfg.seed is None else set()
-    differing = setting_differences(job["settings"], job_settings(cfg), skip)
+    keys = [key for key in job["settings"] if key not in skip]
+    differing = differences(job["settings"], job_settings(cfg), keys)
     if differing:
         raise CheckpointError(
             f"{Path(ckpt_path).name} was trained with {', '.join(differing)}; a resume continues "
