@@ -7,16 +7,17 @@ device-to-host read or a blocking copy inside them raises; the job then fails.
 """
 
 import functools
+import importlib
+import pkgutil
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
-import src.template.checkpoint
-import src.template.distributed
-import src.template.shutdown
-import src.template.tracking
+import src.template
 from src import train
+from src.task import TASK
 from src.task.model import ImageClassifier
+from src.template import entry
 
 HOOKS = ("on_train_batch_start", "on_train_batch_end")
 WARM_UP_STEPS = 3
@@ -41,10 +42,14 @@ def strict(hook):
 
 
 def template_callbacks() -> list[type[Callback]]:
-    modules = (src.template.checkpoint, src.template.distributed, src.template.shutdown)
+    """Every Lightning callback class the machinery defines, in any of its modules."""
+    modules = [
+        importlib.import_module(f"src.template.{info.name}")
+        for info in pkgutil.iter_modules(src.template.__path__)
+    ]
     return [
         value
-        for module in (*modules, src.template.tracking)
+        for module in modules
         for value in vars(module).values()
         if isinstance(value, type)
         and issubclass(value, Callback)
@@ -59,6 +64,6 @@ if __name__ == "__main__":
             if name in vars(callback):
                 setattr(callback, name, strict(vars(callback)[name]))
     try:
-        train.main()
+        entry.main("train", train.train, TASK)
     finally:
         print("steps checked:", len(checked), sorted(set(checked)), flush=True)
