@@ -187,11 +187,12 @@ def test_a_seed_sweep_nests_its_runs_under_a_parent_that_sums_them_up(
 def test_a_sweep_killed_anywhere_run_again_ends_as_the_uninterrupted_sweep(
     tiny_root: Path, tmp_path: Path
 ) -> None:
-    """A 4-job sweep (2 of them DDP jobs) SIGKILLed with all its processes at a random moment,
-    then the same -m command in the same folder: every job ends as in the uninterrupted sweep
-    (finished ones read back, interrupted ones resumed); run once more, it trains nothing."""
+    """A 2-job sweep (one job on 1 rank, one DDP job on 2) SIGKILLed with all its processes at a
+    random moment, then the same -m command in the same folder: every job ends as in the
+    uninterrupted sweep (finished ones read back, interrupted ones resumed); run once more, it
+    trains nothing."""
     args = [*sweep_overrides(tiny_root), "strategy=ddp", "devices=1,2",
-            "seed=1,2", "callbacks.checkpoint.every_n_train_steps=4"]  # fmt: skip
+            "callbacks.checkpoint.every_n_train_steps=4"]  # fmt: skip
     started = time.monotonic()
     run_entry("train", "-m", *args, "hydra.sweep.dir=reference", cwd=tmp_path)
     delay = random.uniform(0.1, 0.9) * (time.monotonic() - started)
@@ -205,7 +206,7 @@ def test_a_sweep_killed_anywhere_run_again_ends_as_the_uninterrupted_sweep(
     kill_process_trees(sweep)
     where = f"killed {delay:.1f} s after the sweep started"
     run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path)
-    for job in ("0", "1", "2", "3"):
+    for job in ("0", "1"):
         expected = torch.load(
             tmp_path / "reference" / job / "checkpoints/last.ckpt", weights_only=True
         )
@@ -215,12 +216,12 @@ def test_a_sweep_killed_anywhere_run_again_ends_as_the_uninterrupted_sweep(
         for key, value in read_metrics(tmp_path / "sweep" / job).items():
             assert value == pytest.approx(reference[key], rel=1e-5, abs=1e-6), (job, key, where)
     once_more = run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path)
-    assert once_more.stdout.count("finished in an earlier run") == 4, where
+    assert once_more.stdout.count("finished in an earlier run") == 2, where
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs(
         [client.get_experiment_by_name("mnist").experiment_id], "tags.task = 'train'"
     )
-    assert len(runs) == 4 + 4, f"the reference's runs and the sweep's, continued; {where}"
+    assert len(runs) == 2 + 2, f"the reference's runs and the sweep's, continued; {where}"
     assert all(run.info.status == "FINISHED" for run in runs), where
     parents = client.search_runs([runs[0].info.experiment_id], "tags.`sweep.parent` = 'sweep'")
     assert len(parents) == 1, f"run again, the sweep continues its parent run; {where}"
