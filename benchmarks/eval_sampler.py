@@ -21,7 +21,7 @@ from src.template.distributed import job_scope
 class PaddedEval(MNISTDataModule):
     """The same data, but a plain loader: Lightning injects its padded DistributedSampler."""
 
-    def _eval_loader(self, dataset):  # type: ignore[override]
+    def eval_loader(self, dataset):  # type: ignore[override]
         return DataLoader(dataset, batch_size=self.per_device_batch_size, collate_fn=keep_batch)
 
 

@@ -96,3 +96,57 @@ def test_no_module_of_the_project_imports_itself_back() -> None:
         return []
 
     assert not [found for name in SOURCES if (found := cycle([name]))]
+
+
+TASK_PACKAGE = PROJECT / "src" / "task"
+
+
+def machinery_private_methods() -> set[str]:
+    """Names of the underscore methods (not dunders) of every machinery class."""
+    names = set()
+    for path in MACHINERY.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names |= {
+                    item.name
+                    for item in node.body
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+                    and item.name.startswith("_")
+                    and not item.name.endswith("__")
+                }
+    return names
+
+
+def test_the_task_uses_only_public_names_of_the_machinery() -> None:
+    """What a task imports from src/template, the methods it calls on or overrides of the
+    machinery's classes: public names only, the ones docs/make-it-yours.md documents. A private
+    name would be a door a forker cannot see and an upgrade can move."""
+    private = machinery_private_methods()
+    assert "_resident" in private, "the machinery's private methods were found"
+    found = []
+    for path in sorted(TASK_PACKAGE.rglob("*.py")):
+        where = path.relative_to(PROJECT)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("src.template"):
+                found += [f"{where}: imports {a.name}" for a in node.names if a.name[0] == "_"]
+            elif isinstance(node, ast.Attribute) and node.attr in private:
+                found.append(f"{where}:{node.lineno}: uses .{node.attr}")
+            elif isinstance(node, ast.FunctionDef) and node.name in private:
+                found.append(f"{where}:{node.lineno}: overrides {node.name}")
+    assert not found
+
+
+def test_make_it_yours_documents_every_machinery_name_the_task_uses() -> None:
+    """Each name src/task imports from src/template, and each TensorDataModule method the
+    shipped data modules call or override, is named in docs/make-it-yours.md."""
+    page = (PROJECT / "docs" / "make-it-yours.md").read_text()
+    imported = {
+        alias.name
+        for path in TASK_PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("src.template")
+        for alias in node.names
+    }
+    contract = {"read", "check", "transform", "read_checked", "load_train", "load_test"}
+    contract |= {"world_and_rank", "loader", "eval_loader", "train_dataloader"}
+    assert not {name for name in imported | contract if f"`{name}" not in page}

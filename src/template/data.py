@@ -216,7 +216,7 @@ class TensorDataModule(LightningDataModule):
             )
         predict_test = self.predict_split == "test"
         if stage in (None, "fit", "validate") or (stage == "predict" and not predict_test):
-            self._load_train()
+            self.load_train()
         batch = self.hparams.batch_size  # training drops an incomplete last global batch
         if stage in (None, "fit") and batch > (left := len(self.train_set)):
             raise DataError(
@@ -225,29 +225,34 @@ class TensorDataModule(LightningDataModule):
                 f"data.batch_size={fitting_batch(left)}"
             )
         if stage in (None, "test") or (stage == "predict" and predict_test):
-            self._load_test()
+            self.load_test()
 
-    def _checked(self, split: str) -> tuple[Tensor, Tensor]:
+    def read_checked(self, split: str) -> tuple[Tensor, Tensor]:
+        """``read(split)``, then ``check`` on what it returned: what loading a split means."""
         inputs, targets = self.read(split)
         self.check(split, inputs, targets)
         return inputs, targets
 
-    def _load_train(self) -> None:
+    def load_train(self) -> None:
+        """Set ``train_set`` and ``val_set`` (once): the validation samples carved from the
+        official train split. Override for data that does not fit in memory (see shards.py)."""
         if self.train_set is not None:  # setup may run more than once
             return
-        inputs, targets = self._checked("train")
+        inputs, targets = self.read_checked("train")
         val_idx, train_idx = carve_validation(len(targets), self.hparams)
         transform = self.transform()
         self.val_set = TensorSplit(inputs[val_idx], targets[val_idx], val_idx, transform)
         inputs = drop_rows(inputs, train_idx)  # what read() returned is the split's now
         self.train_set = TensorSplit(inputs, targets[train_idx], train_idx, transform)
 
-    def _load_test(self) -> None:
+    def load_test(self) -> None:
+        """Set ``test_set`` (once) from the official test split."""
         if self.test_set is None:
-            self.test_set = TensorSplit(*self._checked("test"), transform=self.transform())
+            self.test_set = TensorSplit(*self.read_checked("test"), transform=self.transform())
 
-    def _world(self) -> tuple[int, int]:
-        """(world size, global rank): what the samplers split the data over."""
+    def world_and_rank(self) -> tuple[int, int]:
+        """(world size, global rank): what a sampler splits the data over; (1, 0) before a
+        Trainer is attached."""
         trainer = self.trainer
         return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
 
@@ -258,8 +263,11 @@ class TensorDataModule(LightningDataModule):
             self._on_device[id(dataset)] = dataset.to(device)
         return self._on_device[id(dataset)]
 
-    def _loader(self, dataset: Dataset, sampler: Sampler) -> DataLoader:
-        resident, workers = bool(self.hparams.get("device_resident")), self.hparams.num_workers
+    def loader(self, dataset: Dataset, sampler: Sampler) -> DataLoader:
+        """The DataLoader of every split: this rank's batches as ``sampler`` gives them, with the
+        data settings applied (workers from a forkserver, pinned or device-resident batches)."""
+        resident = bool(self.hparams.get("device_resident"))
+        workers = self.hparams.num_workers
         on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         return DataLoader(
             self._resident(dataset) if resident else dataset,
@@ -268,30 +276,33 @@ class TensorDataModule(LightningDataModule):
             num_workers=workers,
             persistent_workers=workers > 0,
             multiprocessing_context=worker_context(dataset) if workers else None,
-            worker_init_fn=partial(watch_rank_and_seed, rank=self._world()[1]),
+            worker_init_fn=partial(watch_rank_and_seed, rank=self.world_and_rank()[1]),
             # Only a GPU benefits; Lightning then copies pinned batches with non_blocking=True.
             pin_memory=self.hparams.pin_memory and on_gpu and not resident,
             collate_fn=keep_batch,
         )
 
-    def _eval_loader(self, dataset: TensorSplit) -> DataLoader:
+    def eval_loader(self, dataset: TensorSplit) -> DataLoader:
         """Every sample once across ranks, none padded or dropped: exact metrics for any N."""
-        sampler = UnrepeatedDistributedSampler(dataset, *self._world(), shuffle=False)
-        return self._loader(dataset, sampler)
+        sampler = UnrepeatedDistributedSampler(dataset, *self.world_and_rank(), shuffle=False)
+        return self.loader(dataset, sampler)
 
     def train_dataloader(self) -> DataLoader:
         """The same global batches, in the same order, for any number of devices."""
         sampler = GlobalBatchSampler(
-            self.train_set, *self._world(), self.hparams.batch_size, self.hparams.shuffle_seed
+            self.train_set,
+            *self.world_and_rank(),
+            self.hparams.batch_size,
+            self.hparams.shuffle_seed,
         )
         sampler.resume_at(*resume_position(self.trainer))  # before any worker fetches
-        return self._loader(self.train_set, sampler)
+        return self.loader(self.train_set, sampler)
 
     def val_dataloader(self) -> DataLoader:
-        return self._eval_loader(self.val_set)
+        return self.eval_loader(self.val_set)
 
     def test_dataloader(self) -> DataLoader:
-        return self._eval_loader(self.test_set)
+        return self.eval_loader(self.test_set)
 
     def predict_dataloader(self) -> DataLoader:
-        return self._eval_loader(getattr(self, f"{self.predict_split}_set"))
+        return self.eval_loader(getattr(self, f"{self.predict_split}_set"))

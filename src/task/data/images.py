@@ -121,7 +121,7 @@ class ImageDataModule(TensorDataModule):
     def sample_source(self, split: str) -> tuple[Tensor, Callable[[int], np.ndarray]]:
         """The split's labels and image ``i`` as ``uint8 [H, W, C]``, for src.prepare. Here the
         split is read whole; a dataset of files reads one at a time (image_folder)."""
-        inputs, targets = self._checked(split)
+        inputs, targets = self.read_checked(split)
         images = inputs.permute(0, 2, 3, 1).numpy()  # a view
         return targets, images.__getitem__
 
@@ -137,12 +137,14 @@ class ImageDataModule(TensorDataModule):
         if self.hparams.get("device_resident"):
             raise DataError("data.augment runs in the loader; set data.device_resident=false")
         seed = self.hparams.shuffle_seed
-        sampler = EpochTaggedSampler(self.train_set, *self._world(), self.hparams.batch_size, seed)
+        sampler = EpochTaggedSampler(
+            self.train_set, *self.world_and_rank(), self.hparams.batch_size, seed
+        )
         sampler.resume_at(*resume_position(self.trainer))  # before any worker fetches
         augmented = AugmentedSplit(
             self.train_set, settings, seed, self.mean, self.std, self.image_shape
         )
-        return self._loader(augmented, sampler)
+        return self.loader(augmented, sampler)
 
     def state_dict(self) -> dict[str, Any]:
         """Saved in checkpoints: eval and predict normalise as training did (also where the

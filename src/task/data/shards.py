@@ -25,11 +25,15 @@ from src.task.data.augment import AugmentedSplit, check_augment
 from src.task.data.images import ImageDataModule, decode_image
 from src.task.data.partitions import PartitionedBatchSampler, chunk_groups, partition_rows
 from src.template.data import Batch, DataError, carve_validation
-from src.template.reporting import DropNotices
 from src.template.resume import resume_position
 
 # LitData's advice to use a 25 GB cache: check_cache says what this job needs instead.
-NOTICES = ("The provided `max_cache_size` is less than 25GB",)
+CACHE_ADVICE = "The provided `max_cache_size` is less than 25GB"
+
+
+def drop_cache_advice(record: logging.LogRecord) -> bool:
+    """A logging filter (one function, so adding it twice adds it once)."""
+    return not str(record.msg).startswith(CACHE_ADVICE)
 
 
 def quiet_libraries() -> None:
@@ -37,7 +41,7 @@ def quiet_libraries() -> None:
     found) tell this project's user nothing; their warnings still show."""
     for name in ("litdata", "botocore"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    logging.getLogger("litdata.streaming.dataset").addFilter(DropNotices(NOTICES))
+    logging.getLogger("litdata.streaming.dataset").addFilter(drop_cache_advice)
 
 
 def litdata() -> Any:
@@ -286,7 +290,7 @@ class ShardDataModule(ImageDataModule):
         whole = self._split(split, torch.arange(len(labels)), labels)
         return whole.raw(list(range(len(labels)))), labels
 
-    def _load_train(self) -> None:
+    def load_train(self) -> None:
         if self.train_set is not None:
             return
         labels = self._labels("train")
@@ -307,7 +311,7 @@ class ShardDataModule(ImageDataModule):
         chunks = json.loads(self._remote_bytes("train/index.json"))["chunks"]
         need = training_bytes(chunks, count, mine)
         if need > _convert_bytes_to_int(str(limit)):
-            several = not count and self._world()[0] > 1
+            several = not count and self.world_and_rank()[0] > 1
             fix = ", or data.partitions=C (each of N ranks reads C/N of them)" if several else ""
             raise DataError(
                 f"data.max_cache_size={limit} cannot hold the {need / 1e6:,.1f} MB of training "
@@ -328,7 +332,7 @@ class ShardDataModule(ImageDataModule):
         settings = check_augment(self.hparams.get("augment"))
         seed = self.hparams.shuffle_seed
         sampler = PartitionedBatchSampler(
-            self.train_set, *self._world(), self.hparams.batch_size, seed, parts,
+            self.train_set, *self.world_and_rank(), self.hparams.batch_size, seed, parts,
             tag_epoch=settings is not None,
         )  # fmt: skip
         self.check_cache(count, sampler.mine)  # the partitions the sampler gives this rank
@@ -336,12 +340,12 @@ class ShardDataModule(ImageDataModule):
         data = self.train_set
         if settings is not None:
             data = AugmentedSplit(data, settings, seed, self.mean, self.std, self.image_shape)
-        return self._loader(data, sampler)
+        return self.loader(data, sampler)
 
-    def _eval_loader(self, dataset: ShardSplit) -> DataLoader:
-        return self._loader(dataset, ShardRunSampler(dataset, *self._world()))
+    def eval_loader(self, dataset: ShardSplit) -> DataLoader:
+        return self.loader(dataset, ShardRunSampler(dataset, *self.world_and_rank()))
 
-    def _load_test(self) -> None:
+    def load_test(self) -> None:
         if self.test_set is None:
             labels = self._labels("test")
             self.test_set = self._split("test", torch.arange(len(labels)), labels)
