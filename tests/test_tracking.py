@@ -317,3 +317,31 @@ def test_tensorboard_beside_mlflow_on_two_ranks(tiny_root: Path, tmp_path: Path)
     client, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FINISHED" and run.data.tags["team"] == "vision"
     assert run.data.metrics["test/acc"] == pytest.approx(read_metrics(run_dir)["test/acc"])
+
+
+# A job run as `python -m src.train` does, that says which MLflow modules it imported.
+WHICH_MLFLOW_MODULES = """
+import runpy, sys
+sys.argv = ["src.train", *sys.argv[1:]]
+try:
+    runpy.run_module("src.train", run_name="__main__")
+finally:
+    print("mlflow modules:", sorted(m for m in sys.modules if m.split(".")[0] == "mlflow"))
+"""
+
+
+@pytest.mark.parametrize("logger", ["csv", "none"])
+def test_a_job_without_mlflow_never_imports_it(logger: str, tiny_root: Path, tmp_path: Path):
+    """MLflow takes a second to import; a job that logs elsewhere does not pay it."""
+    job = [*tiny_overrides(tiny_root), f"logger={logger}", "hydra.run.dir=run"]
+    proc = subprocess.run(
+        [sys.executable, "-c", WHICH_MLFLOW_MODULES, *job],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mlflow modules: []" in proc.stdout, proc.stdout[-2000:]
+    assert (tmp_path / "run" / "metrics.json").exists()

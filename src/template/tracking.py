@@ -357,10 +357,10 @@ def log_outcome(
 ) -> None:  # fmt: skip
     """After training: the data read (as MLflow dataset inputs: split, size, digest), the config,
     metrics, best checkpoint (it loads with ``weights_only=True``) and test figures."""
-    from mlflow.entities import Dataset, DatasetInput, InputTag
-
     if (logger := mlflow_logger(loggers)) is None:
         return
+    from mlflow.entities import Dataset, DatasetInput, InputTag  # not imported by other loggers
+
     source = json.dumps({"uri": str(datamodule.source)})
     inputs = [
         DatasetInput(
