@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -311,9 +312,12 @@ def local_server_argv(port: int, folder: Path) -> list[str]:
 
 
 @contextmanager
-def mlflow_server(argv: Sequence[str], port: int, cwd: Path) -> Iterator[str]:
+def mlflow_server(
+    argv: Sequence[str], port: int, cwd: Path, certificate: Path | None = None
+) -> Iterator[str]:
     """Run an ``mlflow server ...`` command until it answers ``/health``; yield its URL, then
-    stop its whole process group (its workers share it, so one signal stops them all)."""
+    stop its whole process group (its workers share it, so one signal stops them all). With the
+    ``certificate`` it serves with, its URL is https://."""
     log = cwd / "mlflow-server.log"
     venv_bin = Path(sys.executable).parent  # the `mlflow` command of this environment
     env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ['PATH']}"}
@@ -325,12 +329,13 @@ def mlflow_server(argv: Sequence[str], port: int, cwd: Path) -> Iterator[str]:
             list(argv), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if certificate else 'http'}://127.0.0.1:{port}"
+    trust = ssl.create_default_context(cafile=certificate) if certificate else None
     try:
         deadline = time.monotonic() + 120
         while True:
             try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                with urllib.request.urlopen(f"{url}/health", timeout=2, context=trust) as response:
                     if response.status == 200:
                         break
             except OSError:

@@ -4,6 +4,7 @@ typed in the tracking URI reaches no file, printed line, param or artifact."""
 
 import os
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, UNAUTHENTICATED
 from mlflow.server.auth.client import AuthServiceClient
 
 from src.template.store import (
+    CERTIFICATE,
     CREDENTIALS,
     TrackingError,
     credentials_to_environment,
@@ -143,3 +145,64 @@ def test_a_team_server_with_accounts_as_docs_mlflow_md_shows(
     line = one_error_line(proc.stderr)
     assert "refused the credentials (HTTP 401)" in line and "not reachable" not in line, line
     assert list((tmp_path / "refused").iterdir()) == [], "a refused job leaves no folder"
+
+
+def test_an_untrusted_certificate_is_told_apart_from_an_unreachable_server() -> None:
+    untrusted = MlflowException(
+        "API request to https://h:1/api/2.0/mlflow/experiments/get-by-name failed with exception "
+        "HTTPSConnectionPool(host='h', port=1): Max retries exceeded (Caused by SSLError("
+        "SSLCertVerificationError(1, '[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify "
+        "failed: self-signed certificate (_ssl.c:1006)')))"
+    )
+    line = refusal("https://h:1", "mnist", untrusted)
+    assert "does not trust (self-signed certificate)" in line and CERTIFICATE in line
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """``mlflow server`` serving HTTPS only (uvicorn's TLS options), with a self-signed
+    certificate for 127.0.0.1: (its https URL, the certificate)."""
+    folder = tmp_path / "tls-server"
+    folder.mkdir()
+    key, certificate = folder / "key.pem", folder / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(certificate)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tls = f"--ssl-keyfile {key} --ssl-certfile {certificate}"
+    argv = [*local_server_argv(port, folder), "--uvicorn-opts", tls]
+    with mlflow_server(argv, port, folder, certificate) as url:
+        yield url, certificate
+
+
+@pytest.mark.slow
+def test_a_tls_server_untrusted_or_asked_in_plain_http_ends_in_one_line(
+    tls_server: tuple[str, Path], tiny_root: Path, tmp_path: Path
+) -> None:
+    """Against an HTTPS-only server: its certificate not trusted, or its address given as
+    http://, each ends the job in one line naming the cause and the fix, with no output folder
+    and no run; with MLFLOW_TRACKING_SERVER_CERT_PATH set the job logs a FINISHED run."""
+    url, certificate = tls_server
+    job = [*tiny_overrides(tiny_root), "trainer.max_epochs=1"]
+    plain = url.replace("https://", "http://")
+    expected = {
+        url: f"does not trust (self-signed certificate). Set {CERTIFICATE}",
+        plain: f"answers only HTTPS: use logger.tracking_uri={url}",
+    }
+    for uri, words in expected.items():
+        proc = run_entry("train", *job, f"logger.tracking_uri={uri}", cwd=tmp_path, check=False)
+        assert proc.returncode == 1
+        assert words in one_error_line(proc.stderr)
+        assert not (tmp_path / "outputs").exists(), "no folder for a job that never started"
+    trusted = {CERTIFICATE: str(certificate)}
+    run_entry("train", *job, f"logger.tracking_uri={url}", cwd=tmp_path, env=trusted)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(CERTIFICATE, str(certificate))
+        client = MlflowClient(url)
+        runs = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+        assert [run.info.status for run in runs] == ["FINISHED"]

@@ -4,6 +4,8 @@ URIs and values safe to store and show."""
 import fcntl
 import os
 import re
+import socket
+import ssl
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -24,6 +26,12 @@ CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 # MLflow 3's experiment kind for model training (its 3.17 UI ignores it yet, mlflow/mlflow#24498)
 EXPERIMENT_KIND, TRAINING = "mlflow.experimentKind", "custom_model_development"
 EXPERIMENT_TAGS = {EXPERIMENT_KIND: TRAINING}
+# Where MLflow's client reads the CA certificate of a TLS server (docs/mlflow.md).
+CERTIFICATE = "MLFLOW_TRACKING_SERVER_CERT_PATH"
+# OpenSSL's words for a certificate chain it could not verify, and its reason.
+UNTRUSTED_CERTIFICATE = re.compile(
+    r"CERTIFICATE_VERIFY_FAILED\] certificate verify failed: ([^(]+)"
+)
 # Whether a server answers, in seconds rather than after MLflow's minutes of retries.
 FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 
@@ -78,11 +86,21 @@ def prepare_store(tracking_uri: str, experiment_name: str) -> None:
 
 
 def refusal(tracking_uri: str, experiment_name: str, error: Exception) -> str | None:
-    """A server with authentication that answered no, in one line saying which no and what to do
-    (None for any other error): wrong credentials (HTTP 401) are not an unreachable server, and
-    an account that may read an experiment may not be allowed to write runs into it (403)."""
+    """A server that answered, but not as asked, in one line saying which and what to do (None
+    for any other error): wrong credentials (HTTP 401) are not an unreachable server, an account
+    that may read an experiment may not be allowed to write runs into it (403), and a TLS server
+    may present a certificate this machine does not trust, or be asked in plain HTTP."""
     status = error.get_http_status_code() if hasattr(error, "get_http_status_code") else None
     server = mask_text(tracking_uri)
+    if untrusted := UNTRUSTED_CERTIFICATE.search(str(error)):
+        return (
+            f"MLflow server {server} presented a certificate this machine does not trust "
+            f"({untrusted.group(1).strip()}). Set {CERTIFICATE} to the CA certificate its admin "
+            "gives you (docs/mlflow.md: A server with accounts)"
+        )
+    if tracking_uri.startswith("http://") and speaks_tls(tracking_uri):
+        https = "https://" + without_password(tracking_uri).removeprefix("http://")
+        return f"MLflow server {server} answers only HTTPS: use logger.tracking_uri={https}"
     if status == 401:
         return (
             f"MLflow server {server} refused the credentials (HTTP 401). Set "
@@ -96,6 +114,23 @@ def refusal(tracking_uri: str, experiment_name: str, error: Exception) -> str | 
             "experiment of your own: logger.experiment_name=<a new name>"
         )
     return None
+
+
+def speaks_tls(url: str) -> bool:
+    """Whether ``url``'s host and port complete a TLS handshake (any certificate): asked only
+    once a plain-HTTP request has failed."""
+    parts = urllib.parse.urlsplit(url)
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((parts.hostname, parts.port or 80), timeout=5) as raw,
+            context.wrap_socket(raw, server_hostname=parts.hostname),
+        ):
+            return True
+    except OSError:
+        return False
 
 
 def credentials_to_environment(overrides: list[str]) -> list[str]:
