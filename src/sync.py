@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from src.template.environment import environment
-from src.template.outbox import NODE_OUTBOX, OUTBOX_FILE, Outbox, OutboxBusy, encode
+from src.template.outbox import (
+    NODE_OUTBOX,
+    OUTBOX_FILE,
+    Outbox,
+    OutboxBusy,
+    encode,
+    refused_for_rights,
+)
 from src.template.store import FAIL_FAST
 from src.template.tracking import RUN_ID_FILE
 
@@ -84,9 +91,14 @@ def send_all(outbox: Outbox, client: Any, uri: str, limit: int | None = None) ->
             outbox.send_next(client)
         except Exception as error:
             reason = str(error).strip().splitlines()[0][:160]
+            when = (
+                "once the account may write to it"
+                if refused_for_rights(error)
+                else "when it answers"
+            )
             raise ConnectionError(
                 f"MLflow server {uri} did not take a record of {outbox.path.name} ({reason}); "
-                f"{outbox.pending} still pending. Run this again when it answers"
+                f"{outbox.pending} still pending. Run this again {when}"
             ) from error
     return count
 

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from src.template.store import (
     refuse_password_in_config,
 )
 from tests.conftest import local_server_argv, mlflow_server, run_entry, tiny_overrides
+from tests.test_outbox import assert_complete_run, slow_job_env, sync, wait_for
 from tests.test_readme import arguments, override, page_command
 
 ADMIN_PASSWORD = "admin-pass-0123"
@@ -206,3 +208,57 @@ def test_a_tls_server_untrusted_or_asked_in_plain_http_ends_in_one_line(
         client = MlflowClient(url)
         runs = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
         assert [run.info.status for run in runs] == ["FINISHED"]
+
+
+@contextmanager
+def logged_in(user: str, password: str) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(CREDENTIALS[0], user)
+        env.setenv(CREDENTIALS[1], password)
+        yield
+
+
+def give_ann(url: str, experiment_id: str, permission: str) -> None:
+    """As the admin, ann's permission on the experiment becomes ``permission``."""
+    with logged_in("admin", ADMIN_PASSWORD):
+        admin = AuthServiceClient(url)
+        with suppress(MlflowException):  # none yet
+            admin.revoke_user_permission("ann", "experiment", experiment_id)
+        admin.grant_user_permission("ann", "experiment", experiment_id, permission)
+
+
+@pytest.mark.slow
+def test_records_refused_for_rights_mid_job_are_kept_and_sent_once_rights_are_back(
+    auth_server: str, job_factory, tmp_path: Path
+) -> None:
+    """ann may write to the team's experiment when her job starts; mid-job the admin makes her a
+    reader. Her job still trains to the end, keeps the refused records, says so in one line;
+    once she may write again, src.sync sends them: one complete, FINISHED run."""
+    with logged_in("admin", ADMIN_PASSWORD):
+        team = MlflowClient(auth_server).create_experiment("team")
+    give_ann(auth_server, team, "EDIT")
+    ann = {CREDENTIALS[0]: "ann", CREDENTIALS[1]: USERS["ann"]}
+    job = job_factory(
+        "trainer.max_epochs=3", f"logger.tracking_uri={auth_server}",
+        "logger.experiment_name=team", "logger.send_timeout_s=3", env={**slow_job_env(), **ann},
+    )  # fmt: skip
+    wait_for(lambda: (job.run_dir / "mlflow_run_id.txt").exists(), "the run")
+    give_ann(auth_server, team, "READ")
+    job.wait(timeout=300)
+    assert job.proc.returncode == 0, job.stderr[-3000:]
+    assert (job.run_dir / "metrics.json").exists(), "training went on"
+    log = (job.run_dir / "train.log").read_text()  # and the console
+    assert log.count("refused this run's records for the account's rights") == 1, log[-3000:]
+    (line,) = [line for line in job.stderr.splitlines() if "python -m src.sync" in line]
+    assert "Once the account may write to the run's experiment again" in line, line
+    assert USERS["ann"] not in job.stderr
+
+    with logged_in("ann", USERS["ann"]):
+        refused = sync(job.run_dir)
+        assert refused.returncode == 1, refused.stdout
+        assert "Run this again once the account may write to it" in refused.stderr
+        give_ann(auth_server, team, "EDIT")
+        done = sync(job.run_dir)
+        assert done.returncode == 0, done.stderr
+        run_id = (job.run_dir / "mlflow_run_id.txt").read_text().strip()
+        assert_complete_run(MlflowClient(auth_server), run_id, 3, "FINISHED")

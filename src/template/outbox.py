@@ -190,10 +190,9 @@ class Outbox:
             else:
                 send(client, {**record, "run_id": run_id})
         except Exception as error:  # refused (or the file is gone): sending again cannot help
-            if not isinstance(error, FileNotFoundError) and not (
-                isinstance(error, RestException) and error.get_http_status_code() < 500
-            ):
-                raise
+            refused = isinstance(error, RestException) and error.get_http_status_code() < 500
+            if refused_for_rights(error) or not (refused or isinstance(error, FileNotFoundError)):
+                raise  # kept: the server away, or the account's rights gone for now
             log.warning("MLflow refused a %s record, left out: %s", record["method"], error)
         with self.changed:
             self.sent += 1
@@ -202,6 +201,13 @@ class Outbox:
 
     def close(self) -> None:
         self.file.close()  # and the lock with it
+
+
+def refused_for_rights(error: BaseException | None) -> bool:
+    """The server refused the account (HTTP 401 or 403): its rights may come back, so the
+    records wait, like records for a server that is away."""
+    status = getattr(error, "get_http_status_code", lambda: None)()
+    return status in (401, 403)
 
 
 class Sender(threading.Thread):
@@ -224,6 +230,13 @@ class Sender(threading.Thread):
                 self.outbox.send_next(self.client)
                 backoff, self.last_error = 1.0, None
             except Exception as error:  # the server is away: keep the record, try again
+                if refused_for_rights(error) and not refused_for_rights(self.last_error):
+                    log.warning(
+                        "MLflow server %s refused this run's records for the account's rights "
+                        "(%s); they are kept and sent when it takes them again",
+                        self.outbox.tracking_uri,
+                        first_line(error),
+                    )
                 self.last_error = error
                 self.stopping.wait(backoff)
                 backoff = min(2 * backoff, 10.0)
@@ -263,13 +276,18 @@ def finish(
     outbox.close()
     folder = outbox.path.parent
     if pending:
-        error = first_line(sender.last_error) if sender and sender.last_error else "no answer yet"
+        last_error = sender.last_error if sender else None
+        error = first_line(last_error) if last_error else "no answer yet"
         say = (
             f"logger.offline=true: {pending} MLflow record(s) wait in {folder}"
             if offline
             else f"MLflow server {outbox.tracking_uri} did not take {pending} record(s) of run "
             f"{run_id} ({error}); they are kept in {folder}"
         )
-        print(f"{say}. Send them from a machine that reaches {outbox.tracking_uri}: "
-              f"python -m src.sync {folder}", file=sys.stderr, flush=True)  # fmt: skip
+        when = (
+            "Once the account may write to the run's experiment again"
+            if refused_for_rights(last_error)
+            else f"Send them from a machine that reaches {outbox.tracking_uri}"
+        )
+        print(f"{say}. {when}: python -m src.sync {folder}", file=sys.stderr, flush=True)
     return pending
