@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from src.task import TASK
 from src.template import sweeps
 from src.template.export import MODEL_NAME, register
+from src.template.store import credentials_moved
 from src.template.tracking import RUN_ID_FILE
 
 
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", required=True, help="the registered model's name")
     parser.add_argument("--tracking-uri", help="the store, if not the one the jobs used")
     args = parser.parse_args(argv)
+    if args.tracking_uri:  # a password typed in it is never printed or stored
+        args.tracking_uri = credentials_moved(args.tracking_uri)
     try:
         print(register_best(args.sweep_dir, args.name, TASK.mode, args.tracking_uri))
     except NoModel as error:

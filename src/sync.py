@@ -22,7 +22,7 @@ from src.template.outbox import (
     encode,
     refused_for_rights,
 )
-from src.template.store import FAIL_FAST
+from src.template.store import FAIL_FAST, credentials_moved
 from src.template.tracking import RUN_ID_FILE
 
 
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output_dir", type=Path, help="a job's output folder, or a sweep's")
     parser.add_argument("--tracking-uri", help="the server, if not the one the job used")
     args = parser.parse_args(argv)
+    if args.tracking_uri:  # a password typed in it is never printed or stored
+        args.tracking_uri = credentials_moved(args.tracking_uri)
     try:
         print(sync(args.output_dir, args.tracking_uri))
     except (OutboxBusy, FileNotFoundError, ConnectionError) as error:

@@ -137,9 +137,9 @@ def assert_complete_run(client: MlflowClient, run_id: str, epochs: int, status: 
         assert sorted(steps) == list(range(epochs)), f"{key}: {steps}"
 
 
-def sync(run_dir: Path) -> subprocess.CompletedProcess:
+def sync(run_dir: Path, *options: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "src.sync", str(run_dir)], cwd=run_dir.parent,
+        [sys.executable, "-m", "src.sync", str(run_dir), *options], cwd=run_dir.parent,
         env={**os.environ, "PYTHONPATH": str(PROJECT)}, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip

@@ -19,6 +19,7 @@ from src.template.store import (
     CERTIFICATE,
     CREDENTIALS,
     TrackingError,
+    credentials_moved,
     credentials_to_environment,
     refusal,
     refuse_password_in_config,
@@ -44,6 +45,17 @@ def test_a_password_typed_in_the_uri_moves_to_mlflows_variables(
     assert [os.environ[name] for name in CREDENTIALS] == ["ann@lab", "p:ss"]
     unchanged = ["logger.tracking_uri=http://ann@host:5000", "logger.run_name=a:b@c"]
     assert credentials_to_environment(unchanged) == unchanged
+
+
+def test_a_password_in_a_tools_tracking_uri_moves_to_mlflows_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """src.sync and src.register take --tracking-uri: a password typed there goes the same way."""
+    for name in CREDENTIALS:
+        monkeypatch.delenv(name, raising=False)
+    assert credentials_moved("http://ann:s3cret@h:5000/") == "http://h:5000/"
+    assert [os.environ[name] for name in CREDENTIALS] == ["ann", "s3cret"]
+    assert credentials_moved("sqlite:///mlflow.db") == "sqlite:///mlflow.db"
 
 
 def test_a_password_in_a_config_file_is_refused_with_where_it_belongs() -> None:
@@ -258,7 +270,13 @@ def test_records_refused_for_rights_mid_job_are_kept_and_sent_once_rights_are_ba
         assert refused.returncode == 1, refused.stdout
         assert "Run this again once the account may write to it" in refused.stderr
         give_ann(auth_server, team, "EDIT")
-        done = sync(job.run_dir)
-        assert done.returncode == 0, done.stderr
         run_id = (job.run_dir / "mlflow_run_id.txt").read_text().strip()
+    # Her password typed in src.sync's --tracking-uri: used, never printed or stored.
+    typed = auth_server.replace("http://", f"http://ann:{USERS['ann']}@")
+    done = sync(job.run_dir, "--tracking-uri", typed)
+    assert done.returncode == 0, done.stderr
+    assert USERS["ann"] not in done.stdout + done.stderr
+    for path in job.run_dir.rglob("*"):
+        assert not path.is_file() or USERS["ann"].encode() not in path.read_bytes(), path
+    with logged_in("ann", USERS["ann"]):
         assert_complete_run(MlflowClient(auth_server), run_id, 3, "FINISHED")

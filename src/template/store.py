@@ -140,15 +140,23 @@ def credentials_to_environment(overrides: list[str]) -> list[str]:
     moved = []
     for override in overrides:
         key, sep, value = override.partition("=")
-        parts = urllib.parse.urlsplit(value) if sep else None
-        if key.lstrip("+") != "logger.tracking_uri" or parts is None or parts.password is None:
-            moved.append(override)
-            continue
-        os.environ[CREDENTIALS[0]] = urllib.parse.unquote(parts.username or "")
-        os.environ[CREDENTIALS[1]] = urllib.parse.unquote(parts.password)
-        host = parts.netloc.rpartition("@")[2]
-        moved.append(f"{key}={urllib.parse.urlunsplit(parts._replace(netloc=host))}")
+        if sep and key.lstrip("+") == "logger.tracking_uri":
+            override = f"{key}={credentials_moved(value)}"
+        moved.append(override)
     return moved
+
+
+def credentials_moved(uri: str) -> str:
+    """``http://user:password@host`` → ``http://host``, user and password in MLflow's variables
+    (``--tracking-uri`` of src.sync and src.register, the tracking URI of a job's command); a URI
+    without a password comes back as it is."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.password is None:
+        return uri
+    os.environ[CREDENTIALS[0]] = urllib.parse.unquote(parts.username or "")
+    os.environ[CREDENTIALS[1]] = urllib.parse.unquote(parts.password)
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=host))
 
 
 def refuse_password_in_config(tracking_uri: str) -> None:
