@@ -13,17 +13,20 @@ from omegaconf import DictConfig
 from src.eval import from_checkpoint
 from src.task import TASK
 from src.template import entry, reporting, tracking
-from src.template.config import check_choice
+from src.template.config import ConfigError, check_choice
 from src.template.task import Task
 from src.template.trainer import build_callbacks, build_trainer
 
 
 def predict(cfg: DictConfig, task: Task) -> Path:
-    if cfg.get("images"):  # new, unlabelled images: src/task/predict_images.py
-        from src.task.predict_images import predict_images
-
+    if cfg.get("images"):  # new, unlabelled files: the task's predict_files
+        if task.predict_files is None:
+            raise ConfigError(
+                f"images={cfg.images}: this task predicts its data splits only (split=test, val "
+                "or train); Task.predict_files in src/task/__init__.py would read new files"
+            )
         out = Path(cfg.paths.output_dir) / "predictions_images.csv"
-        return predict_images(cfg.ckpt_path, cfg.images, out, task)
+        return task.predict_files(cfg.ckpt_path, cfg.images, out, task)
     check_choice("split", cfg.split, ("test", "val", "train"))
     model, datamodule, source = from_checkpoint(cfg, task)  # shared with src.eval
     datamodule.predict_split = cfg.split

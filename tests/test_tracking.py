@@ -190,6 +190,17 @@ def test_a_network_that_cannot_be_exported_costs_a_warning_not_the_job(
     assert list(out.iterdir()) == [], "no model folder, no staging folder left"
 
 
+def test_a_task_without_export_says_it_logged_no_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from dataclasses import replace
+
+    cfg = compose_config("train", [f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"], tmp_path)
+    task = replace(TASK, export=None)
+    log_model(build_loggers(cfg), cfg.logger, task, None, None, tmp_path, step=1, metrics=[])
+    assert "No MLflow model logged: the task has no export" in capsys.readouterr().out
+
+
 def test_unreachable_server_is_a_clear_error_at_once(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

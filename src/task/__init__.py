@@ -9,6 +9,7 @@ regression, segmentation, text) is another ``TASK``, not a machinery edit.
 from src.task import export, model, report
 from src.task.data import DATAMODULES
 from src.task.nets import UnknownNetwork
+from src.task.predict_images import predict_images
 from src.template.task import Task
 
 TASK = Task(
@@ -22,4 +23,5 @@ TASK = Task(
     export=export.export,
     figures=report.figures,
     predictions=report.predictions,
+    predict_files=predict_images,
 )

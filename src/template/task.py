@@ -51,6 +51,10 @@ class Task:
     # All ranks' ``predict_step`` outputs (dicts of 1-D tensors with a stable sample ``index``),
     # merged and sorted by it, to the CSV's columns and the ``predict/*`` metrics.
     predictions: Callable[[Mapping[str, Tensor], L.LightningDataModule], Columns] | None = None
+    # ``src.predict images=DIR_OR_GLOB``: new files classified with a checkpoint alone, as
+    # (ckpt_path, the images= value, the CSV to write, this Task) -> the CSV written; None: the
+    # task predicts its data splits only.
+    predict_files: Callable[[str, str, Path, "Task"], Path] | None = None
 
     def datamodule_class(self, name: str) -> type[L.LightningDataModule]:
         from src.template.data import DataError

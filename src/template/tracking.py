@@ -388,7 +388,10 @@ def log_model(
     from src.template import export
 
     logger = mlflow_logger(loggers)
-    if logger is None or task.export is None or not settings.get("log_model", True):
+    if logger is None or not settings.get("log_model", True):
+        return
+    if task.export is None:
+        print("No MLflow model logged: the task has no export (Task.export, src/task/__init__.py)")
         return
     try:
         folder = export.save_model(task.export(model, datamodule), output_dir / export.MODEL_FOLDER)
