@@ -14,7 +14,6 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from src.train import finished_job_run, say_auto_started_fresh
 from tests.conftest import (
     FAKE_SECRET,
     LONG_VALUE,
@@ -28,39 +27,6 @@ from tests.conftest import (
     run_entry,
     tiny_overrides,
 )
-from tests.test_config import compose_config
-
-
-def test_ckpt_path_auto_in_a_new_folder_says_it_started_fresh_and_how_to_continue(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    cfg = compose_config("train", ["ckpt_path=auto"], tmp_path)
-    say_auto_started_fresh(Path(cfg.paths.output_dir))
-    (line,) = capsys.readouterr().out.splitlines()
-    out = cfg.paths.output_dir
-    assert f"{out} is a new folder, with no last.ckpt: this job starts fresh" in line
-    assert f"hydra.run.dir={out} ckpt_path=auto" in line
-    compose_config("train", ["ckpt_path=auto", f"hydra.run.dir={tmp_path}"], tmp_path)
-    say_auto_started_fresh(tmp_path)  # a folder of the user's choosing: nothing to say
-    assert capsys.readouterr().out == ""
-
-
-def test_a_job_finished_when_its_job_json_says_so_not_when_lightning_ended_its_run(
-    tmp_path: Path,
-) -> None:
-    cfg = compose_config("train", [], tmp_path)
-    client = MlflowClient(cfg.logger.tracking_uri)
-    run_id = client.create_run(client.create_experiment("mnist")).info.run_id
-    client.set_terminated(run_id, "FINISHED")  # as Lightning ends it after fit, before testing
-    saved = {"mlflow": {"run_id": run_id, "tracking_uri": cfg.logger.tracking_uri}}
-    folder = tmp_path / "job"
-    last = str(folder / "checkpoints" / "last.ckpt")
-    assert finished_job_run(saved, cfg, last) == run_id  # no job.json: the run's status says
-    folder.mkdir()
-    (folder / "job.json").write_text(json.dumps({"overrides": []}))
-    assert finished_job_run(saved, cfg, last) is None  # killed before its result: it goes on
-    (folder / "job.json").write_text(json.dumps({"overrides": [], "result": 0.9}))
-    assert finished_job_run(saved, cfg, last) == run_id
 
 
 def test_train_reports_exact_metrics(trained: dict[str, Path]) -> None:

@@ -1,0 +1,85 @@
+"""Where a training job starts: fresh, from a checkpoint of the same job (checked), or nowhere
+(a finished job: its result is read back). Decided on every rank alike, before any run, rank
+process or folder content exists, and said in one line where it is not what the command reads
+as (docs/resuming.md)."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
+
+from src.template import checkpoint, reporting, sweeps, tracking
+
+
+@dataclass(frozen=True)
+class Start:
+    """What ``trainer.fit`` starts from, or the result of a job with nothing left to train."""
+
+    ckpt_path: str | None = None  # the checkpoint fit resumes from (None: a fresh start)
+    saved: dict[str, Any] | None = None  # its contents, read once
+    # A finished job trained on (lengthened): its MLflow run ("" if unknown), never reopened.
+    finished_run: str | None = None
+    auto: bool = False  # ckpt_path=auto, asked for or implied by a job run again in its folder
+    read_back: bool = False  # nothing left to train: ``result`` is the job's
+    result: float | None = None
+
+
+def where_to_start(cfg: DictConfig, out: Path, ran_before: bool) -> Start:
+    """The start of the job ``cfg`` in its folder ``out`` (``ran_before``: a job.json there says
+    it started once). A checkpoint of another job is refused in one line (CheckpointError)."""
+    requested = cfg.ckpt_path or ("auto" if ran_before else None)  # run again: it resumes
+    ckpt_path = checkpoint.resume_path(requested, out)
+    auto = requested == "auto"
+    if not ckpt_path:
+        if auto:
+            say_auto_started_fresh(out)
+        return Start(auto=auto)
+    saved = checkpoint.read_checkpoint(ckpt_path)
+    checkpoint.check_same_job(saved, cfg, ckpt_path)
+    finished_run = finished_job_run(saved, cfg, ckpt_path)
+    folder = Path(ckpt_path).parent.parent
+    if finished_run is not None and checkpoint.nothing_left_to_train(saved, cfg.trainer):
+        say(
+            f"{folder}: this job finished; its result is read back (metrics.json). "
+            "To train it longer, raise trainer.max_epochs"
+        )
+        reporting.remove_attempt_record()  # a folder Hydra made for nothing
+        result = sweeps.finished_result(folder, cfg.optimized_metric)
+        return Start(read_back=True, result=result)
+    return Start(ckpt_path, saved, finished_run, auto)
+
+
+def finished_job_run(saved: dict, cfg: DictConfig, ckpt_path: str) -> str | None:
+    """If the checkpoint's job finished: its run's id ("" if unknown); else None (the job goes on
+    in its own run). Its folder's job.json says (the result is written last); a folder without
+    one (a checkpoint moved, or older than job.json) asks whether its MLflow run FINISHED."""
+    folder = Path(ckpt_path).parent.parent
+    if (folder / sweeps.JOB_FILE).is_file():
+        if not sweeps.job_finished(folder):
+            return None  # Lightning ends the run FINISHED after fit, before testing: not done
+        return (saved.get("mlflow") or {}).get("run_id", "")
+    return tracking.finished_run(saved, cfg)
+
+
+@rank_zero_only
+def say(line: str) -> None:
+    """One line on stdout, from rank 0 only (rank processes run the entry point again)."""
+    print(line)
+
+
+@rank_zero_only
+def say_auto_started_fresh(out: Path) -> None:
+    """``ckpt_path=auto`` in a folder Hydra just made finds nothing: say so, and how to continue
+    this job next time (the same folder)."""
+    if sweeps.sweep_job() is None and not any(
+        override.startswith("hydra.run.dir=") for override in HydraConfig.get().overrides.hydra
+    ):
+        last = out / "checkpoints" / "last.ckpt"
+        print(
+            f"ckpt_path=auto: {out} is a new folder, with no last.ckpt: this job starts fresh. "
+            f"To continue it after a stop, add hydra.run.dir={out} ckpt_path=auto "
+            f"(or ckpt_path={last})"
+        )
