@@ -1,0 +1,211 @@
+"""server/tracking.sh, the team's tracking service (docs/tracking-server.md), run for real:
+PostgreSQL, MLflow's basic-auth server with its artifacts proxied to a (moto) S3 bucket, caddy's
+TLS in front, all kept running by supervisord."""
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import psutil
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import PROJECT, run_entry, tiny_overrides
+from tests.test_shards import s3_server  # noqa: F401  (the moto S3 server fixture)
+
+SCRIPT = PROJECT / "server" / "tracking.sh"
+ADMIN_PASSWORD = "admin-pass-0123"
+BUCKET_LOGIN = {
+    "aws_access_key_id": "test",
+    "aws_secret_access_key": "test",
+    "region_name": "us-east-1",
+}
+
+
+def tracking(*command: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+    """``bash server/tracking.sh COMMAND`` as a team's engineer types it."""
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), *command], env=env, capture_output=True, text=True, timeout=180
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(f"tracking.sh {' '.join(command)}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def service_env(data: Path, **settings: str) -> dict[str, str]:
+    """The environment of the script: this venv's commands first, the settings given."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    return {**os.environ, "PATH": path, "TRACKING_DATA": str(data), **settings}
+
+
+def test_a_first_start_without_a_bucket_is_refused_in_one_line_creating_nothing(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "service"
+    env = service_env(data, MLFLOW_AUTH_ADMIN_PASSWORD=ADMIN_PASSWORD)
+    env.pop("TRACKING_ARTIFACTS", None)
+    proc = tracking("start", env=env, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "Error: TRACKING_ARTIFACTS is not set: set it to the bucket the server keeps artifacts "
+        "in, e.g. TRACKING_ARTIFACTS=s3://team-bucket/mlflow"
+    )
+    assert not data.exists()
+
+
+def test_a_first_start_without_the_admins_password_is_refused_creating_nothing(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "service"
+    env = service_env(
+        data, TRACKING_ARTIFACTS="s3://team/mlflow", MLFLOW_AUTH_ADMIN_PASSWORD="short"
+    )
+    proc = tracking("start", env=env, check=False)
+    assert proc.returncode == 1
+    assert "MLFLOW_AUTH_ADMIN_PASSWORD is not set or under 12 characters" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not data.exists()
+
+
+def test_commands_on_a_folder_without_a_service_say_how_to_start_one(tmp_path: Path) -> None:
+    env = service_env(tmp_path / "none", MLFLOW_AUTH_ADMIN_PASSWORD=ADMIN_PASSWORD)
+    for command in (["stop"], ["status"], ["add-user", "ann"]):
+        proc = tracking(*command, env=env, check=False)
+        assert proc.returncode == 1
+        assert "no tracking service in" in proc.stderr and "tracking.sh start" in proc.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group(pid: int) -> list[psutil.Process]:
+    """The processes of process group ``pid`` (a supervisord program and what it started)."""
+    return [p for p in psutil.process_iter() if _pgid(p.pid) == pid]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def program_pids(env: dict[str, str]) -> dict[str, int]:
+    """``status``: each program's pid, for those RUNNING."""
+    status = tracking("status", env=env, check=False).stdout
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+RUNNING\s+pid (\d+)", status, re.M)}
+
+
+@pytest.fixture
+def service_data() -> Iterator[Path]:
+    """A data folder PostgreSQL's user may reach (pytest's own are its owner's only), removed
+    after the test; whatever the test left running there is ended first."""
+    parent = Path(tempfile.mkdtemp(prefix="tracking-service-"))
+    parent.chmod(0o711)
+    try:
+        yield parent / "service"
+    finally:
+        end_what_is_left(parent / "service")
+        shutil.rmtree(parent)
+
+
+def end_what_is_left(data: Path) -> None:
+    """After a failed test: supervisord and its programs, and the last mlflow server's process
+    group (its uvicorn processes outlive a killed server)."""
+    leftovers = []
+    for pid_file in (data / "supervisord.pid", data / "mlflow.pgid"):
+        if pid_file.exists():
+            leftovers += group(int(pid_file.read_text()))
+    supervisor_pid = data / "supervisord.pid"
+    if supervisor_pid.exists() and psutil.pid_exists(int(supervisor_pid.read_text())):
+        leftovers += psutil.Process(int(supervisor_pid.read_text())).children(recursive=True)
+    for process in leftovers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+
+
+@pytest.mark.slow
+def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
+    s3_server: dict[str, str],  # noqa: F811
+    service_data: Path,
+    tiny_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One start brings up the whole service; an account made by add-user logs a job over TLS
+    with its artifacts proxied into the bucket (the job has no bucket credentials) and no password
+    in its files; a SIGKILLed mlflow server is restarted by supervisord; stop leaves nothing."""
+    s3 = boto3.client("s3", **BUCKET_LOGIN, endpoint_url=s3_server["AWS_ENDPOINT_URL"])
+    s3.create_bucket(Bucket="team")
+    env = service_env(
+        service_data,
+        **s3_server,
+        MLFLOW_S3_ENDPOINT_URL=s3_server["AWS_ENDPOINT_URL"],
+        TRACKING_HOST="127.0.0.1",
+        TRACKING_PORT=str(free_port()),
+        TRACKING_ARTIFACTS="s3://team/mlflow",
+        TRACKING_WORKERS="2",
+        MLFLOW_AUTH_ADMIN_PASSWORD=ADMIN_PASSWORD,
+    )
+    started = tracking("start", env=env).stdout
+    url = re.search(r"logger\.tracking_uri=(https://\S+)", started)[1]
+    cert = re.search(r"MLFLOW_TRACKING_SERVER_CERT_PATH=(\S+)", started)[1]
+    added = tracking("add-user", "ann", env=env).stdout
+    password = re.search(r"Its password \(shown once, give it to ann\): (\S+)", added)[1]
+
+    login = {
+        "MLFLOW_TRACKING_USERNAME": "ann",
+        "MLFLOW_TRACKING_PASSWORD": password,
+        "MLFLOW_TRACKING_SERVER_CERT_PATH": cert,
+    }
+    job = [*tiny_overrides(tiny_root), "trainer.max_epochs=1", f"logger.tracking_uri={url}"]
+    run_entry("train", *job, "hydra.run.dir=run", cwd=tmp_path, env=login)
+    for path in (tmp_path / "run").rglob("*"):
+        if path.is_file():
+            assert password.encode() not in path.read_bytes(), path
+    for path in service_data.rglob("*"):
+        if path.is_file() and path.stat().st_size < 10**7:
+            assert ADMIN_PASSWORD.encode() not in path.read_bytes(), path
+
+    for name, value in login.items():
+        monkeypatch.setenv(name, value)  # MlflowClient signs in with them
+    client = MlflowClient(url)
+    (run,) = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+    assert run.info.status == "FINISHED"
+    stored = s3.list_objects_v2(Bucket="team", Prefix="mlflow/")["Contents"]
+    keys = [item["Key"] for item in stored]
+    assert any(key.endswith(f"{run.info.run_id}/artifacts/config.yaml") for key in keys), keys
+
+    before = program_pids(env)
+    crashed = group(before["mlflow"])  # the CLI and its uvicorn processes
+    os.kill(before["mlflow"], signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while program_pids(env).get("mlflow", before["mlflow"]) == before["mlflow"]:
+        assert time.monotonic() < deadline, "supervisord did not restart the mlflow server"
+        time.sleep(0.5)
+    while True:  # back when it answers a signed-in request through caddy
+        try:
+            assert client.get_run(run.info.run_id).info.status == "FINISHED"
+            break
+        except Exception:
+            assert time.monotonic() < deadline, "the restarted server did not answer"
+            time.sleep(1)
+    assert not [p for p in crashed if p.is_running()], "the crashed server's workers linger"
+
+    supervisor = psutil.Process(int((service_data / "supervisord.pid").read_text()))
+    running = [supervisor, *supervisor.children(recursive=True)]
+    assert len(running) >= 5  # supervisord, postgres and its workers, mlflow and uvicorn, caddy
+    assert "Stopped" in tracking("stop", env=env).stdout
+    assert not [p for p in running if p.is_running()], "stop left processes running"
