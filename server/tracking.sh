@@ -7,6 +7,8 @@
 #   bash server/tracking.sh stop           # stop all of it (the data stays)
 #   bash server/tracking.sh status         # each part: RUNNING, its pid, its uptime
 #   bash server/tracking.sh add-user NAME  # an account; prints its password once
+#   bash server/tracking.sh backup FOLDER  # both databases, pg_dump's custom format
+#   bash server/tracking.sh upgrade        # after a new MLflow: migrate the database, restart
 #   bash server/tracking.sh run            # start in the foreground (server/mlflow-tracking.service)
 #
 # Settings (environment variables):
@@ -113,7 +115,7 @@ prepare() {
 # holding the port; they are in the process group of the one before, which is ended first.
 serve_mlflow() {
     load_settings
-    if false; then kill -KILL -- "-$(cat "$DATA/mlflow.pgid")" 2>/dev/null || true; fi
+    if [ -f "$DATA/mlflow.pgid" ]; then kill -KILL -- "-$(cat "$DATA/mlflow.pgid")" 2>/dev/null || true; fi
     echo $$ >"$DATA/mlflow.pgid"
     MLFLOW_FLASK_SERVER_SECRET_KEY=$(cat "$DATA/flask-secret-key")
     export MLFLOW_FLASK_SERVER_SECRET_KEY
@@ -198,12 +200,37 @@ PY
     if [ -z "${TRACKING_USER_PASSWORD:-}" ]; then echo "Its password (shown once, give it to $name): $password"; fi
 }
 
+# Both databases (runs, accounts) while the service runs, for pg_restore.
+backup() {
+    local folder=$1
+    [ -n "$folder" ] || die "backup needs a folder: bash server/tracking.sh backup FOLDER"
+    load_settings
+    mkdir -p "$folder"
+    for database in mlflow mlflow_auth; do
+        "$PG_BIN/pg_dump" -h "$DATA/postgres-socket" -U postgres -Fc -f "$folder/$database.dump" "$database"
+    done
+    echo "Backed up to $folder/mlflow.dump and $folder/mlflow_auth.dump (the artifacts are in $ARTIFACTS)."
+}
+
+# After installing a new MLflow: its schema migrations on the runs database (the accounts
+# database migrates itself when the server starts), with the server stopped meanwhile.
+upgrade() {
+    load_settings
+    supervisorctl -c "$SUPERVISOR_CONF" stop mlflow >/dev/null
+    mlflow db upgrade "$(cat "$DATA/database-uri")" 2>&1 | grep -v Warning || true
+    supervisorctl -c "$SUPERVISOR_CONF" start mlflow >/dev/null
+    wait_until_up
+    echo "Upgraded: mlflow $(mlflow --version | awk '{print $NF}') serves https://$HOST:$PORT."
+}
+
 case "${1:-}" in
 start) start ;;
 stop) stop ;;
 status) load_settings && supervisorctl -c "$SUPERVISOR_CONF" status ;;
 add-user) add_user "${2:-}" ;;
+backup) backup "${2:-}" ;;
+upgrade) upgrade ;;
 run) prepare && exec supervisord -n -c "$SUPERVISOR_CONF" ;;
 serve-mlflow) serve_mlflow ;;
-*) die "usage: bash server/tracking.sh start|stop|status|add-user NAME|run" ;;
+*) die "usage: bash server/tracking.sh start|stop|status|add-user NAME|backup FOLDER|upgrade|run" ;;
 esac

@@ -19,12 +19,15 @@ import boto3
 import psutil
 import pytest
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 
 from tests.conftest import PROJECT, run_entry, tiny_overrides
+from tests.test_readme import arguments, override, shown
 from tests.test_shards import s3_server  # noqa: F401  (the moto S3 server fixture)
 
 SCRIPT = PROJECT / "server" / "tracking.sh"
 ADMIN_PASSWORD = "admin-pass-0123"
+BOB_PASSWORD = "bob-pass-456789"
 BUCKET_LOGIN = {
     "aws_access_key_id": "test",
     "aws_secret_access_key": "test",
@@ -32,14 +35,21 @@ BUCKET_LOGIN = {
 }
 
 
-def tracking(*command: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+def tracking(
+    *command: str, env: dict[str, str], check: bool = True, cwd: Path = PROJECT
+) -> subprocess.CompletedProcess:
     """``bash server/tracking.sh COMMAND`` as a team's engineer types it."""
-    proc = subprocess.run(
-        ["bash", str(SCRIPT), *command], env=env, capture_output=True, text=True, timeout=180
-    )
+    argv = ["bash", str(SCRIPT), *command]
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
     if check and proc.returncode != 0:
         pytest.fail(f"tracking.sh {' '.join(command)}:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def on_page(command: str) -> list[str]:
+    """The arguments of ``command`` (``bash server/tracking.sh ...``), which
+    docs/tracking-server.md shows as typed (the test runs the page's commands)."""
+    return list(shown(f"^{re.escape(command)}$").tokens[2:])
 
 
 def service_env(data: Path, **settings: str) -> dict[str, str]:
@@ -104,7 +114,7 @@ def _pgid(pid: int) -> int | None:
 
 def program_pids(env: dict[str, str]) -> dict[str, int]:
     """``status``: each program's pid, for those RUNNING."""
-    status = tracking("status", env=env, check=False).stdout
+    status = tracking(*on_page("bash server/tracking.sh status"), env=env, check=False).stdout
     return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+RUNNING\s+pid (\d+)", status, re.M)}
 
 
@@ -144,9 +154,11 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """One start brings up the whole service; an account made by add-user logs a job over TLS
-    with its artifacts proxied into the bucket (the job has no bucket credentials) and no password
-    in its files; a SIGKILLed mlflow server is restarted by supervisord; stop leaves nothing."""
+    """The page's commands: one start brings up the whole service; an account made by add-user
+    logs a job over TLS with its artifacts proxied into the bucket (the job has no bucket
+    credentials) and no password in its files; another account reads that run and may not write
+    into its experiment; a SIGKILLed mlflow server is restarted by supervisord; backup, upgrade;
+    stop leaves nothing running."""
     s3 = boto3.client("s3", **BUCKET_LOGIN, endpoint_url=s3_server["AWS_ENDPOINT_URL"])
     s3.create_bucket(Bucket="team")
     env = service_env(
@@ -159,19 +171,21 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
         TRACKING_WORKERS="2",
         MLFLOW_AUTH_ADMIN_PASSWORD=ADMIN_PASSWORD,
     )
-    started = tracking("start", env=env).stdout
+    started = tracking(*on_page("bash server/tracking.sh start"), env=env).stdout
     url = re.search(r"logger\.tracking_uri=(https://\S+)", started)[1]
     cert = re.search(r"MLFLOW_TRACKING_SERVER_CERT_PATH=(\S+)", started)[1]
-    added = tracking("add-user", "ann", env=env).stdout
+    added = tracking(*on_page("bash server/tracking.sh add-user ann"), env=env).stdout
     password = re.search(r"Its password \(shown once, give it to ann\): (\S+)", added)[1]
 
+    tokens = list(shown(r"^MLFLOW_TRACKING_SERVER_CERT_PATH=ca\.crt ").tokens)
+    assignments = [token.partition("=") for token in tokens[: tokens.index("python")]]
     login = {
-        "MLFLOW_TRACKING_USERNAME": "ann",
-        "MLFLOW_TRACKING_PASSWORD": password,
-        "MLFLOW_TRACKING_SERVER_CERT_PATH": cert,
+        name: value.replace("<password>", password).replace("ca.crt", cert)
+        for name, _, value in assignments
     }
-    job = [*tiny_overrides(tiny_root), "trainer.max_epochs=1", f"logger.tracking_uri={url}"]
-    run_entry("train", *job, "hydra.run.dir=run", cwd=tmp_path, env=login)
+    typed = [arg.replace(override(tokens, "logger.tracking_uri"), url) for arg in arguments(tokens)]
+    job = [*tiny_overrides(tiny_root), "trainer.max_epochs=1", "hydra.run.dir=run"]
+    run_entry("train", *typed, *job, cwd=tmp_path, env=login)
     for path in (tmp_path / "run").rglob("*"):
         if path.is_file():
             assert password.encode() not in path.read_bytes(), path
@@ -187,6 +201,17 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     stored = s3.list_objects_v2(Bucket="team", Prefix="mlflow/")["Contents"]
     keys = [item["Key"] for item in stored]
     assert any(key.endswith(f"{run.info.run_id}/artifacts/config.yaml") for key in keys), keys
+
+    bob = tracking("add-user", "bob", env={**env, "TRACKING_USER_PASSWORD": BOB_PASSWORD})
+    assert BOB_PASSWORD not in bob.stdout, "a password the admin chose is not printed"
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "bob")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", BOB_PASSWORD)
+    assert client.get_run(run.info.run_id).info.status == "FINISHED", "bob reads ann's runs"
+    with pytest.raises(MlflowException) as denied:
+        client.create_run(run.info.experiment_id)
+    assert denied.value.error_code == "PERMISSION_DENIED", "and writes none into her experiment"
+    for name, value in login.items():
+        monkeypatch.setenv(name, value)
 
     before = program_pids(env)
     crashed = group(before["mlflow"])  # the CLI and its uvicorn processes
@@ -204,8 +229,15 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
             time.sleep(1)
     assert not [p for p in crashed if p.is_running()], "the crashed server's workers linger"
 
+    backup = on_page("bash server/tracking.sh backup mlflow-backup")
+    tracking(*backup, env=env, cwd=tmp_path)
+    for database in ("mlflow", "mlflow_auth"):
+        assert (tmp_path / "mlflow-backup" / f"{database}.dump").stat().st_size > 1000
+    assert "Upgraded" in tracking(*on_page("bash server/tracking.sh upgrade"), env=env).stdout
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+
     supervisor = psutil.Process(int((service_data / "supervisord.pid").read_text()))
     running = [supervisor, *supervisor.children(recursive=True)]
     assert len(running) >= 5  # supervisord, postgres and its workers, mlflow and uvicorn, caddy
-    assert "Stopped" in tracking("stop", env=env).stdout
+    assert "Stopped" in tracking(*on_page("bash server/tracking.sh stop"), env=env).stdout
     assert not [p for p in running if p.is_running()], "stop left processes running"
