@@ -165,9 +165,12 @@ EOF
 
 stop() {
     load_settings
-    [ -f "$DATA/supervisord.pid" ] || { echo "Not running."; return; }
     local pid
-    pid=$(cat "$DATA/supervisord.pid")
+    pid=$(cat "$DATA/supervisord.pid" 2>/dev/null || true)
+    if [ -z "$pid" ] || ! kill -0 "$pid" 2>/dev/null; then
+        echo "Not running."
+        return
+    fi
     supervisorctl -c "$SUPERVISOR_CONF" shutdown >/dev/null
     while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
     echo "Stopped (the data stays in $DATA)."
@@ -217,8 +220,10 @@ backup() {
 upgrade() {
     load_settings
     supervisorctl -c "$SUPERVISOR_CONF" stop mlflow >/dev/null
-    mlflow db upgrade "$(cat "$DATA/database-uri")" 2>&1 | grep -v Warning || true
-    supervisorctl -c "$SUPERVISOR_CONF" start mlflow >/dev/null
+    PYTHONWARNINGS=ignore mlflow db upgrade "$(cat "$DATA/database-uri")" \
+        || die "the database migration failed (above); the server stays stopped: restore the backup into it (docs/tracking-server.md), or fix the cause and run upgrade again"
+    supervisorctl -c "$SUPERVISOR_CONF" start mlflow >/dev/null \
+        || die "the upgraded server did not start: see $DATA/logs/mlflow.log"
     wait_until_up
     echo "Upgraded: mlflow $(mlflow --version | awk '{print $NF}') serves https://$HOST:$PORT."
 }
