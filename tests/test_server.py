@@ -126,6 +126,25 @@ def program_pids(env: dict[str, str]) -> dict[str, int]:
     return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+RUNNING\s+pid (\d+)", status, re.M)}
 
 
+def assert_a_checkpoint_goes_both_ways(
+    client: MlflowClient, run_id: str, s3, folder: Path, size: int = 300 * 2**20
+) -> None:
+    """A checkpoint of a few hundred MB is logged into the bucket through caddy and the server,
+    and loaded back (no body limit or timeout on the way: about 4 s each way here)."""
+    checkpoint = folder / "big.ckpt"
+    with checkpoint.open("wb") as out:
+        out.truncate(size)
+    client.log_artifact(run_id, str(checkpoint))
+    checkpoint.unlink()
+    stored = [
+        o for o in s3.list_objects_v2(Bucket="team")["Contents"] if o["Key"].endswith("big.ckpt")
+    ]
+    assert [o["Size"] for o in stored] == [size]
+    loaded = Path(client.download_artifacts(run_id, "big.ckpt", str(folder)))
+    assert loaded.stat().st_size == size
+    loaded.unlink()
+
+
 @pytest.fixture
 def service_data() -> Iterator[Path]:
     """A data folder PostgreSQL's user may reach (pytest's own are its owner's only), removed
@@ -209,6 +228,7 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     stored = s3.list_objects_v2(Bucket="team", Prefix="mlflow/")["Contents"]
     keys = [item["Key"] for item in stored]
     assert any(key.endswith(f"{run.info.run_id}/artifacts/config.yaml") for key in keys), keys
+    assert_a_checkpoint_goes_both_ways(client, run.info.run_id, s3, tmp_path)
 
     bob = tracking("add-user", "bob", env={**env, "TRACKING_USER_PASSWORD": BOB_PASSWORD})
     assert BOB_PASSWORD not in bob.stdout, "a password the admin chose is not printed"
