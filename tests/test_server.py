@@ -8,10 +8,12 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from tests.test_readme import arguments, override, shown
 from tests.test_shards import s3_server  # noqa: F401  (the moto S3 server fixture)
 
 SCRIPT = PROJECT / "server" / "tracking.sh"
+UNIT = PROJECT / "server" / "mlflow-tracking.service"
 ADMIN_PASSWORD = "admin-pass-0123"
 BOB_PASSWORD = "bob-pass-456789"
 BUCKET_LOGIN = {
@@ -145,6 +148,44 @@ def assert_a_checkpoint_goes_both_ways(
     loaded.unlink()
 
 
+def answers(url: str, cert: str) -> bool:
+    """Whether the service answers ``/health`` through TLS, checked against ``cert``."""
+    tls = ssl.create_default_context(cafile=cert)
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5, context=tls) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def unit_command() -> list[str]:
+    """server/mlflow-tracking.service's ExecStart, with the project where this checkout is."""
+    (line,) = [line for line in UNIT.read_text().splitlines() if line.startswith("ExecStart=")]
+    command = line.removeprefix("ExecStart=").replace("/opt/lightning-ddp-template", str(PROJECT))
+    return command.split()
+
+
+def assert_the_units_command_serves_until_sigterm(env: dict[str, str], url: str, cert: str) -> None:
+    """What systemd does with the unit: run its ExecStart (supervisord in the foreground, on the
+    data the first start made) and, to stop it, SIGTERM that process (KillMode=mixed): all of
+    the service ends."""
+    service = subprocess.Popen(unit_command(), env=env, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while not answers(url, cert):
+            assert service.poll() is None, "the unit's command ended"
+            assert time.monotonic() < deadline, "the unit's command did not serve in 90 s"
+            time.sleep(0.5)
+        main = psutil.Process(service.pid)
+        running = [main, *main.children(recursive=True)]
+        service.send_signal(signal.SIGTERM)
+        service.wait(timeout=60)
+        assert not [p for p in running if alive(p)], "SIGTERM left processes running"
+    finally:
+        if service.poll() is None:
+            service.kill()
+
+
 @pytest.fixture
 def service_data() -> Iterator[Path]:
     """A data folder PostgreSQL's user may reach (pytest's own are its owner's only), removed
@@ -185,7 +226,7 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     logs a job over TLS with its artifacts proxied into the bucket (the job has no bucket
     credentials) and no password in its files; another account reads that run and may not write
     into its experiment; a SIGKILLed mlflow server is restarted by supervisord; backup, upgrade;
-    stop leaves nothing running."""
+    stop leaves nothing running; the systemd unit's command serves the same data until SIGTERM."""
     s3 = boto3.client("s3", **BUCKET_LOGIN, endpoint_url=s3_server["AWS_ENDPOINT_URL"])
     s3.create_bucket(Bucket="team")
     env = service_env(
@@ -249,13 +290,10 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     while restarted.read_text().strip() in ("", str(killed)):
         assert time.monotonic() < deadline, "supervisord did not restart the mlflow server"
         time.sleep(0.2)
-    while True:  # back when it answers a signed-in request through caddy
-        try:
-            assert client.get_run(run.info.run_id).info.status == "FINISHED"
-            break
-        except Exception:
-            assert time.monotonic() < deadline, "the restarted server did not answer"
-            time.sleep(1)
+    while not answers(url, cert):
+        assert time.monotonic() < deadline, "the restarted server did not answer"
+        time.sleep(0.5)
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
     assert not [p for p in crashed if alive(p)], "the crashed server's workers linger"
     supervisor = psutil.Process(int((service_data / "supervisord.pid").read_text()))
     assert psutil.Process(int(restarted.read_text())).ppid() == supervisor.pid
@@ -271,3 +309,6 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     assert len(running) >= 5  # supervisord, postgres and its workers, mlflow and uvicorn, caddy
     assert "Stopped" in tracking(*on_page("bash server/tracking.sh stop"), env=env).stdout
     assert not [p for p in running if alive(p)], "stop left processes running"
+
+    unit_env = {name: value for name, value in env.items() if name != "MLFLOW_AUTH_ADMIN_PASSWORD"}
+    assert_the_units_command_serves_until_sigterm(unit_env, url, cert)
