@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,6 +149,19 @@ def assert_a_checkpoint_goes_both_ways(
     loaded.unlink()
 
 
+def host_check(port: int, host: str) -> str:
+    """What the MLflow server (behind caddy, on 127.0.0.1:``port``) answers a request that names
+    ``host``: its host check refuses names it does not serve (DNS rebinding)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search", headers={"Host": host}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.read().decode()
+
+
 def answers(url: str, cert: str) -> bool:
     """Whether the service answers ``/health`` through TLS, checked against ``cert``."""
     tls = ssl.create_default_context(cafile=cert)
@@ -242,6 +256,11 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     started = tracking(*on_page("bash server/tracking.sh start"), env=env).stdout
     url = re.search(r"logger\.tracking_uri=(https://\S+)", started)[1]
     cert = re.search(r"MLFLOW_TRACKING_SERVER_CERT_PATH=(\S+)", started)[1]
+    settings = (service_data / "settings.env").read_text()
+    server_port = int(re.search(r"^MLFLOW_PORT=(\d+)$", settings, re.M)[1])
+    for other in ("evil.example", "localhost"):  # MLflow's default list has localhost: replaced
+        assert "DNS rebinding" in host_check(server_port, other), f"{other} is not served"
+    assert "DNS rebinding" not in host_check(server_port, url.removeprefix("https://"))
     added = tracking(*on_page("bash server/tracking.sh add-user ann"), env=env).stdout
     password = re.search(r"Its password \(shown once, give it to ann\): (\S+)", added)[1]
 
