@@ -94,6 +94,8 @@ SKIPPED: dict[str, str] = {
     "the JobSet resource schema and runs its container command on this host as 2 pods",
     r"^docker\b": "no Docker engine here or on CI; IMAGE_TEST=1 tests/test_tooling.py::"
     "test_image_builds_and_trains builds the same Dockerfile with buildah and trains in it",
+    r"^sudo\b": "a VM's system packages and systemd unit (root's): .ci/run installs postgresql "
+    "and caddy, and tests/test_server.py runs the supervisord that the unit starts",
     r"^python3? -m benchmarks\.run$": "about 10 minutes on 2 cores; tests/test_benchmarks.py runs "
     "'python -m benchmarks.run --tiny', every row on tiny data",
 }
@@ -113,6 +115,10 @@ RUN_ELSEWHERE: dict[str, str] = {
     "test_another_idx_dataset_is_one_entry_and_one_config",
     r"^MLFLOW_TRACKING_USERNAME=ann ": "tests/test_store.py::"
     "test_a_team_server_with_accounts_as_docs_mlflow_md_shows",
+    r"^bash server/tracking\.sh ": "tests/test_server.py::"
+    "test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash",
+    r"^MLFLOW_TRACKING_SERVER_CERT_PATH=ca\.crt ": "tests/test_server.py::"
+    "test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash",
 }
 SKIPPED |= {pattern: f"{test} runs it as written" for pattern, test in RUN_ELSEWHERE.items()}
 
