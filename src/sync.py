@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from src.template import export, sweeps  # noqa: F401  (their outbox record kinds: log_model, summarize)
 from src.template.environment import environment
 from src.template.outbox import (
     NODE_OUTBOX,

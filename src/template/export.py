@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from src.template.environment import environment, quiet
+from src.template.outbox import register_kind
 from src.template.task import ModelExport
 
 MODEL_FOLDER = MODEL_NAME = "model"  # the saved model in the output folder; its name in the run
@@ -77,6 +78,16 @@ def log_model(
         model_id = ready[0].model_id if ready else upload(client, run, folder, step, key, metrics)
         version = register(client, registered_name, model_id)[0] if registered_name else None
     return model_id, version
+
+
+def send_logged_model(client: Any, run_id: str, folder: str, **arguments: Any) -> None:
+    """A queued ``log_model`` record, sent (by the job's outbox, or src.sync)."""
+    log_model(client.tracking_uri, run_id, Path(folder), **arguments)
+
+
+register_kind(
+    "log_model", ("folder", "step", "key", "registered_name", "metrics"), send_logged_model
+)
 
 
 def upload(client: Any, run: Any, folder: Path, step: int, key: str, metrics: Sequence[str]) -> str:

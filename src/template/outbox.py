@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,16 @@ WRITES: dict[str, tuple[str, ...]] = {
     "set_terminated": ("status", "end_time"),
     "log_artifact": ("local_path", "artifact_path"),
     "log_inputs": ("datasets",),
-    "log_model": ("folder", "step", "key", "registered_name", "metrics"),  # see export.py
-    "summarize": ("folder", "metric", "mode"),  # an offline sweep's summary: see sweeps.py
 }
+# Record kinds beyond the client's own calls: name -> (the names of their arguments after the
+# run id, how one is sent: ``send(client, run_id, **arguments)``). The module that owns a kind
+# registers it (export.py: log_model; sweeps.py: summarize); src.sync imports those modules.
+KINDS: dict[str, tuple[tuple[str, ...], Callable[..., None]]] = {}
+
+
+def register_kind(name: str, arguments: tuple[str, ...], send: Callable[..., None]) -> None:
+    """A record kind of its own, queued with ``encode(name, run_id, **arguments)``."""
+    KINDS[name] = (arguments, send)
 
 
 def offline_run_id() -> str:
@@ -76,6 +84,10 @@ def send(client: Any, record: dict[str, Any]) -> None:
     from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 
     method, run_id = record["method"], record["run_id"]
+    if method in KINDS:
+        arguments, send_kind = KINDS[method]
+        send_kind(client, run_id, **{key: record[key] for key in arguments if key in record})
+        return
     kwargs = {key: record[key] for key in WRITES[method] if key in record}
     if method == "log_batch":
         for key, entity in (("metrics", Metric), ("params", Param), ("tags", RunTag)):
@@ -85,16 +97,6 @@ def send(client: Any, record: dict[str, Any]) -> None:
             DatasetInput(Dataset.from_dictionary(d["dataset"]), [InputTag(**t) for t in d["tags"]])
             for d in kwargs["datasets"]
         ]
-    elif method == "log_model":
-        from src.template.export import log_model
-
-        log_model(client.tracking_uri, run_id, Path(kwargs.pop("folder")), **kwargs)
-        return
-    elif method == "summarize":
-        from src.template.sweeps import write_summary
-
-        write_summary(client, run_id, Path(kwargs.pop("folder")), **kwargs)
-        return
     getattr(client, method)(run_id, **kwargs)
 
 

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
 from src.template.files import write_text_atomically
+from src.template.outbox import register_kind
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +268,14 @@ def write_summary(client: Any, run_id: str, folder: Path, metric: str, mode: str
         tags=[RunTag(k, v) for k, v in tags.items()],
     )  # fmt: skip
     client.set_terminated(run_id, "FINISHED")  # the summary of every job ended so far
+
+
+def send_summary(client: Any, run_id: str, folder: str, metric: str, mode: str) -> None:
+    """A queued ``summarize`` record (an offline sweep's summary), sent by src.sync."""
+    write_summary(client, run_id, Path(folder), metric, mode)
+
+
+register_kind("summarize", ("folder", "metric", "mode"), send_summary)
 
 
 def write_table(path: Path, rows: list[dict], fields: list) -> Path:

@@ -41,14 +41,45 @@ class EpochMLFlowLogger(MLFlowLogger):
     logging an epoch and checkpointing it repeats that epoch); an epoch cut short by
     ``max_steps`` is logged once, by the job that completes it."""
 
-    def __init__(self, *args: Any, offline: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        experiment_name: str,
+        run_name: str | None,
+        tracking_uri: str,
+        outbox_folder: Path,
+        offline: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        names = {"experiment_name": experiment_name, "run_name": run_name}
+        super().__init__(**names, tracking_uri=tracking_uri, **kwargs)
+        self.uri = tracking_uri
+        self.experiment_name = experiment_name
         self.offline = offline  # the outbox is all there is: nothing contacts the server
         self.continued = kwargs.get("run_id") is not None and not offline
         self.last_step: dict[str, int] = {}  # per metric; a continued run's, read when reopened
         self.cut_epoch: int | None = None
-        self.outbox: Outbox | None = None  # with a server: set by `sending`
+        self.outbox_folder = outbox_folder
+        self.outbox: Outbox | None = None  # with a server: opened by start_sending
         self.sender: Sender | None = None
+        if offline:  # the run is a record for src.sync to create later
+            self.outbox = Outbox(outbox_folder, without_password(tracking_uri))
+            tags = run_context_tags(kwargs.get("tags") or {})
+            self.outbox.append(encode("create_run", self.run_id, **names, tags=tags))
+
+    def start_sending(self) -> None:
+        """Against a server: open the run, then send its records from the outbox in the
+        background, in order (:mod:`src.template.outbox`); the job never waits for the server."""
+        if self.outbox is not None:  # offline: nothing is sent
+            return
+        client = opened_run(self, self.uri, self.experiment_name)
+        self.outbox = Outbox(self.outbox_folder, without_password(self.uri))
+        self.sender = Sender(self.outbox, client)
+        self.sender.start()
+
+    def stop_sending(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the records, then say in one line what is left, if any."""
+        if self.outbox is not None:
+            finish(self.outbox, self.sender, timeout_s, self.run_id, self.offline)
 
     @property
     def experiment(self) -> Any:
@@ -126,12 +157,8 @@ def build_loggers(
     logger = EpochMLFlowLogger(
         **names, tracking_uri=uri, artifact_location=store.artifact_location(uri), tags=tags,
         run_id=offline_run_id() if offline else continue_run, offline=offline,
+        outbox_folder=Path(cfg.paths.output_dir),
     )  # fmt: skip
-    if offline:  # the run is a record for src.sync to create later
-        logger.outbox = Outbox(Path(cfg.paths.output_dir), without_password(uri))
-        logger.outbox.append(
-            encode("create_run", logger.run_id, **names, tags=run_context_tags(tags))
-        )
     return [logger, *loggers]
 
 
@@ -333,21 +360,17 @@ def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
     """Against a server, the run's records go through the outbox (SQLite is written directly);
     at the end, wait up to ``logger.send_timeout_s`` for them, and close TensorBoard's file."""
     logger = mlflow_logger(loggers)
-    uri = cfg.logger.get("tracking_uri", "")
-    if isinstance(logger, EpochMLFlowLogger) and logger.outbox is None and not sqlite_file(uri):
-        client = opened_run(logger, uri, cfg.logger.experiment_name)
-        logger.outbox = Outbox(Path(cfg.paths.output_dir), without_password(uri))
-        logger.sender = Sender(logger.outbox, client)
-        logger.sender.start()
+    outboxed = isinstance(logger, EpochMLFlowLogger) and not sqlite_file(logger.uri)
+    if outboxed:
+        logger.start_sending()
     try:
         yield
     finally:
         for tensorboard in loggers:
             if isinstance(tensorboard, OneFileTensorBoardLogger):
                 tensorboard.close()
-        if getattr(logger, "outbox", None) is not None:
-            timeout_s = cfg.logger.get("send_timeout_s", 0)
-            finish(logger.outbox, logger.sender, timeout_s, logger.run_id, logger.offline)
+        if outboxed:
+            logger.stop_sending(cfg.logger.get("send_timeout_s", 0))
 
 
 @rank_zero_only
