@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -59,28 +58,14 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """In parallel runs (``-n``), the tests that inspect the session's ``trained`` job run on one
-    worker, so it trains once (a session fixture is per worker). And the longest work comes
-    first: xdist hands it out in this order, a group (tests that run one after another on one
-    worker: a module's, the SLURM cluster's) as one unit, so the run does not end with one worker
-    going through a 15-minute group while the others wait. Slow tests first, and among them the
-    groups, the largest first. (Serial runs keep the file order.)"""
+    worker, so it trains once (a session fixture is per worker). And the slow tests come first:
+    xdist hands tests out in this order, one at a time, so the run does not end with one worker
+    finishing a three-minute test while the others wait. (Serial runs keep the file order.)"""
     for item in items:
         if "trained" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("trained"))
     if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike
-        sizes = Counter(xdist_group(item) for item in items)
-        items.sort(
-            key=lambda item: (
-                item.get_closest_marker("slow") is None,
-                -sizes[xdist_group(item)] if xdist_group(item) else 0,
-            )
-        )
-
-
-def xdist_group(item: pytest.Item) -> str | None:
-    """The group an item runs in (its ``xdist_group`` mark), if any."""
-    mark = item.get_closest_marker("xdist_group")
-    return (mark.args or [mark.kwargs.get("name")])[0] if mark else None
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
