@@ -23,7 +23,7 @@ from src.template.outbox import (
     encode,
     refused_for_rights,
 )
-from src.template.store import FAIL_FAST, credentials_moved
+from src.template.store import FAIL_FAST, credentials_moved, first_line
 from src.template.tracking import RUN_ID_FILE
 
 
@@ -91,7 +91,7 @@ def send_all(outbox: Outbox, client: Any, uri: str, limit: int | None = None) ->
         try:
             outbox.send_next(client)
         except Exception as error:
-            reason = str(error).strip().splitlines()[0][:160]
+            reason = first_line(error, 160)
             when = (
                 "once the account may write to it"
                 if refused_for_rights(error)

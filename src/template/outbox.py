@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from src.template.files import write_text_atomically
-from src.template.store import EXPERIMENT_TAGS, first_line
+from src.template.store import EXPERIMENT_TAGS, first_line, http_status
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class Outbox:
             else:
                 send(client, {**record, "run_id": run_id})
         except Exception as error:  # refused (or the file is gone): sending again cannot help
-            refused = isinstance(error, RestException) and error.get_http_status_code() < 500
+            refused = isinstance(error, RestException) and http_status(error) < 500
             if refused_for_rights(error) or not (refused or isinstance(error, FileNotFoundError)):
                 raise  # kept: the server away, or the account's rights gone for now
             log.warning("MLflow refused a %s record, left out: %s", record["method"], error)
@@ -208,8 +208,7 @@ class Outbox:
 def refused_for_rights(error: BaseException | None) -> bool:
     """The server refused the account (HTTP 401 or 403): its rights may come back, so the
     records wait, like records for a server that is away."""
-    status = getattr(error, "get_http_status_code", lambda: None)()
-    return status in (401, 403)
+    return http_status(error) in (401, 403)
 
 
 class Sender(threading.Thread):

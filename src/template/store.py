@@ -90,7 +90,7 @@ def refusal(tracking_uri: str, experiment_name: str, error: Exception) -> str | 
     for any other error): wrong credentials (HTTP 401) are not an unreachable server, an account
     that may read an experiment may not be allowed to write runs into it (403), and a TLS server
     may present a certificate this machine does not trust, or be asked in plain HTTP."""
-    status = error.get_http_status_code() if hasattr(error, "get_http_status_code") else None
+    status = http_status(error)
     server = mask_text(tracking_uri)
     if untrusted := UNTRUSTED_CERTIFICATE.search(str(error)):
         return (
@@ -114,6 +114,12 @@ def refusal(tracking_uri: str, experiment_name: str, error: Exception) -> str | 
             "experiment of your own: logger.experiment_name=<a new name>"
         )
     return None
+
+
+def http_status(error: BaseException | None) -> int | None:
+    """The HTTP status an MLflow server answered with (its RestException's), else None."""
+    status = getattr(error, "get_http_status_code", None)
+    return status() if status else None
 
 
 def speaks_tls(url: str) -> bool:
