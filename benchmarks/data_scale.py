@@ -87,8 +87,12 @@ def generate(root: Path, count: int, size: int) -> Path:
 
 def folder_overrides(images: Path, size: int, count: int) -> list[str]:
     val = min(1000, max(CLASSES, count // 20))
-    return ["data=image_folder", f"data.root={images}", f"data.image_size=[{size},{size}]",
-            f"data.val_size={val}"]  # fmt: skip
+    return [
+        "data=image_folder",
+        f"data.root={images}",
+        f"data.image_size=[{size},{size}]",
+        f"data.val_size={val}",
+    ]
 
 
 def convert(images: Path, shards: Path, size: int, count: int) -> Path:
@@ -103,8 +107,13 @@ def convert(images: Path, shards: Path, size: int, count: int) -> Path:
     manifest = shards / "manifest.json"
     if manifest.is_file() and len(json.loads(manifest.read_text())["complete"]) == 2:
         return shards
-    overrides = [*folder_overrides(images, size, count), f"out={shards}", "format=jpeg",
-                 "jpeg_quality=90", f"paths.root_dir={shards.parent}"]  # fmt: skip
+    overrides = [
+        *folder_overrides(images, size, count),
+        f"out={shards}",
+        "format=jpeg",
+        "jpeg_quality=90",
+        f"paths.root_dir={shards.parent}",
+    ]
     GlobalHydra.instance().clear()  # benchmarks.run may have run src.train in this process
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         prepare(compose("prepare", overrides=overrides), TASK)
@@ -164,10 +173,21 @@ def train_job(overrides: list[str], workdir: Path, steps: int, warmup: int) -> d
     of the rank process and of the rank with its loader workers (GB), seconds from process
     start to the end of the first step, and the share of a step spent waiting for data."""
     run_dir = tempfile.mkdtemp(dir=workdir, prefix="job")
-    command = [sys.executable, "-c", CHILD, str(steps), str(warmup), *overrides,
-               "devices=1", "logger=none", "callbacks.progress_bar=none",
-               "trainer.max_epochs=1", "trainer.limit_val_batches=0",
-               "trainer.num_sanity_val_steps=0", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-c",
+        CHILD,
+        str(steps),
+        str(warmup),
+        *overrides,
+        "devices=1",
+        "logger=none",
+        "callbacks.progress_bar=none",
+        "trainer.max_epochs=1",
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+        f"hydra.run.dir={run_dir}",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.time()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -188,8 +208,12 @@ def train_job(overrides: list[str], workdir: Path, steps: int, warmup: int) -> d
     marks = dict(line.split()[:2] for line in stdout.splitlines() if line[:5] in ("FIRST", "WAIT_"))
     if proc.returncode or len(marks) != 2:
         raise RuntimeError(f"training failed:\n{stdout[-2000:]}\n{stderr[-2000:]}")
-    return {"rank": rank / GB, "tree": tree / GB, "first": float(marks["FIRST_STEP"]) - start,
-            "wait": 100 * float(marks["WAIT_SHARE"])}  # fmt: skip
+    return {
+        "rank": rank / GB,
+        "tree": tree / GB,
+        "first": float(marks["FIRST_STEP"]) - start,
+        "wait": 100 * float(marks["WAIT_SHARE"]),
+    }
 
 
 def fits_in_memory(count: int, size: int) -> tuple[bool, str]:
@@ -210,8 +234,13 @@ def shard_throughput(shards: Path, batch: int, batches: int) -> float:
     read, decode, augment, normalise)."""
     from src.task.data.shards import ShardDataModule
 
-    data = ShardDataModule("shards", str(shards), batch_size=batch, val_size=batch,
-                           augment={"crop_scale": list(SCALE), "flip": True})  # fmt: skip
+    data = ShardDataModule(
+        "shards",
+        str(shards),
+        batch_size=batch,
+        val_size=batch,
+        augment={"crop_scale": list(SCALE), "flip": True},
+    )
     data.setup("fit")
     loader = iter(data.train_dataloader())
     next(loader)  # opens the shards
@@ -267,12 +296,14 @@ def baseline_dataset(root: Path, size: int) -> tuple[torch.utils.data.Dataset, s
     except Exception as error:  # noqa: BLE001  (a CUDA torchvision on a CPU torch: any error)
         reason = f"torchvision does not import here ({type(error).__name__})"
         return PerSampleFolder(root, size), f"per-sample PIL Dataset, {reason}"
-    transform = transforms.Compose([
-        transforms.RandomResizedCrop(size, scale=SCALE, antialias=True),
-        transforms.RandomHorizontalFlip(),
-        transforms.ToTensor(),
-        transforms.Normalize([0.5] * 3, [0.25] * 3),
-    ])  # fmt: skip
+    transform = transforms.Compose(
+        [
+            transforms.RandomResizedCrop(size, scale=SCALE, antialias=True),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize([0.5] * 3, [0.25] * 3),
+        ]
+    )
     return datasets.ImageFolder(str(root), transform=transform), "torchvision ImageFolder"
 
 
@@ -310,26 +341,39 @@ def measure(sizes: list[int], workdir: Path, tiny: bool, repeats: int = 3) -> di
     workdir.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict] = {}
     batch, steps, warmup = (16, 4, 1) if tiny else (128, 40, 5)
-    common = [f"data.batch_size={batch}", f"data.augment={AUGMENT}",
-              f"trainer.limit_train_batches={steps}"]  # fmt: skip
+    common = [
+        f"data.batch_size={batch}",
+        f"data.augment={AUGMENT}",
+        f"trainer.limit_train_batches={steps}",
+    ]
     wait = None
     for count in sizes:
         images, shards, generated, converted = dataset(workdir, count, 64)
         name = f"10. {count:,} JPEGs 64x64"
         if not tiny:
-            print(f"{count:,} images: generated in {generated:.0f} s, converted in "
-                  f"{converted:.0f} s (0: cached)", flush=True)  # fmt: skip
-        streamed = train_job(["data=shards", f"data.root={shards}", "data.num_workers=2",
-                              *common], workdir, steps, warmup)  # fmt: skip
-        for key, what in (("rank", "peak RSS of the rank (GB; target < 2)"),
-                          ("tree", "peak RSS, rank + 2 loader workers (GB)"),
-                          ("first", "time to first step (s; target < 10)")):  # fmt: skip
+            print(
+                f"{count:,} images: generated in {generated:.0f} s, converted in "
+                f"{converted:.0f} s (0: cached)",
+                flush=True,
+            )
+        streamed = train_job(
+            ["data=shards", f"data.root={shards}", "data.num_workers=2", *common],
+            workdir,
+            steps,
+            warmup,
+        )
+        for key, what in (
+            ("rank", "peak RSS of the rank (GB; target < 2)"),
+            ("tree", "peak RSS, rank + 2 loader workers (GB)"),
+            ("first", "time to first step (s; target < 10)"),
+        ):
             rows[f"{name}, streamed: {what}"] = summary([streamed[key]])
         wait = streamed["wait"]
         fits, why = fits_in_memory(count, 64)
         if fits:
-            memory = train_job([*folder_overrides(images, 64, count), *common], workdir,
-                               steps, warmup)  # fmt: skip
+            memory = train_job(
+                [*folder_overrides(images, 64, count), *common], workdir, steps, warmup
+            )
             rows[f"{name}, in memory: peak RSS of the rank (GB)"] = summary([memory["rank"]])
             rows[f"{name}, in memory: time to first step (s)"] = summary([memory["first"]])
         else:

@@ -40,9 +40,14 @@ def main(root: str, name: str, devices: int, sampler: str) -> None:
     model = ImageClassifier(net={"channels": [32, 64], "hidden": 128}, lr=1e-3)
     timer = TestLoopTimer()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy="ddp", logger=False, callbacks=[timer],
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp",
+        logger=False,
+        callbacks=[timer],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     result = trainer.test(model, datamodule=datamodule, verbose=False)[0]
     if trainer.is_global_zero:
         print(json.dumps({"seconds": timer.seconds, "samples": result["test/samples"]}), flush=True)

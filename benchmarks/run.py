@@ -111,11 +111,18 @@ def template_job(overrides: list[str], workdir: Path, batch: int, steps: int) ->
     build = src.template.trainer.build_callbacks
     argv = sys.argv
     src.template.trainer.build_callbacks = lambda *a, **k: [*build(*a, **k), clock]
-    sys.argv = ["src.train", *overrides, f"paths.root_dir={workdir}",
-                f"hydra.run.dir={tempfile.mkdtemp(dir=workdir, prefix='job')}",
-                f"data.batch_size={batch}", "trainer.max_epochs=1",
-                f"trainer.limit_train_batches={WARMUP + steps}", "trainer.limit_val_batches=2",
-                "trainer.limit_test_batches=2", "trainer.num_sanity_val_steps=0"]  # fmt: skip
+    sys.argv = [
+        "src.train",
+        *overrides,
+        f"paths.root_dir={workdir}",
+        f"hydra.run.dir={tempfile.mkdtemp(dir=workdir, prefix='job')}",
+        f"data.batch_size={batch}",
+        "trainer.max_epochs=1",
+        f"trainer.limit_train_batches={WARMUP + steps}",
+        "trainer.limit_val_batches=2",
+        "trainer.limit_test_batches=2",
+        "trainer.num_sanity_val_steps=0",
+    ]
     try:  # as `python -m src.train`: Hydra finds conf/ from the script's path
         runpy.run_module("src.train", run_name="__main__")
     finally:
@@ -175,8 +182,10 @@ def import_profile(top: int = 8) -> list[tuple[str, float]]:
     (``python -X importtime``). mlflow and matplotlib should not appear: they load lazily."""
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-c", "import src.train"],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     packages: dict[str, float] = {}
     for line in proc.stderr.splitlines():
         parts = line.split("|")
@@ -296,8 +305,11 @@ def device_overrides(device: str, fast: bool) -> list[str]:
     accelerator = "gpu" if device == "cuda" else "cpu"
     overrides = [f"accelerator={accelerator}", "devices=1", "data.device_resident=true"]
     if fast:
-        overrides += [f"trainer.precision={FAST['precision']}", "model.channels_last=true",
-                      "model.compile=true"]  # fmt: skip
+        overrides += [
+            f"trainer.precision={FAST['precision']}",
+            "model.channels_last=true",
+            "model.compile=true",
+        ]
     return overrides
 
 
@@ -309,12 +321,26 @@ def time_to_accuracy(
     accuracy = 0.0
     for epochs in range(1, max_epochs + 1):
         run_dir = workdir / f"to-accuracy-{epochs}"
-        command = [sys.executable, "-m", "src.train", f"data={name}", f"data.root={root}",
-                   *overrides, f"trainer.max_epochs={epochs}", "logger=none",
-                   "callbacks.progress_bar=none", f"hydra.run.dir={run_dir}"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "src.train",
+            f"data={name}",
+            f"data.root={root}",
+            *overrides,
+            f"trainer.max_epochs={epochs}",
+            "logger=none",
+            "callbacks.progress_bar=none",
+            f"hydra.run.dir={run_dir}",
+        ]
         start = time.perf_counter()
-        subprocess.run(command, cwd=workdir, check=True, capture_output=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+        subprocess.run(
+            command,
+            cwd=workdir,
+            check=True,
+            capture_output=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         seconds = time.perf_counter() - start
         accuracy = json.loads((run_dir / "metrics.json").read_text())["test/acc"]
         if accuracy >= target:
@@ -355,8 +381,9 @@ def accelerated_rows(
         seconds, epochs, accuracy = time_to_accuracy(
             SHARED_DATA, "fashion_mnist", device_overrides(device, True), 0.90, workdir, 15
         )
-        rows[f"8. time to 90% Fashion-MNIST test accuracy ({epochs} epochs, "
-             f"acc {accuracy:.4f}) (s)"] = summary([seconds])  # fmt: skip
+        rows[
+            f"8. time to 90% Fashion-MNIST test accuracy ({epochs} epochs, acc {accuracy:.4f}) (s)"
+        ] = summary([seconds])
     return rows
 
 
@@ -421,11 +448,18 @@ def folder_memory(workdir: Path, count: int) -> float:
 
 
 def machine() -> dict[str, object]:
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        platform.processor(),
-    ) if Path("/proc/cpuinfo").exists() else platform.processor()  # fmt: skip
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
     return {
         "cpu": cpu,
         "cores": len(os.sched_getaffinity(0))
@@ -459,8 +493,11 @@ def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict
     rows: dict[str, dict] = {}
     limit = repeat(repeats, lambda: raw_loop(train_set, batch, steps))
     rows["1. limit: plain PyTorch loop (samples/s)"] = limit
-    quick = ["trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
-             "callbacks.progress_bar=none"]  # fmt: skip
+    quick = [
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+        "callbacks.progress_bar=none",
+    ]
     templates = {}
     for logger in ("none", "mlflow"):
         templates[logger] = template = repeat(
@@ -532,9 +569,10 @@ def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict
         repeats, lambda: folder_memory(workdir, count)
     )
     rows["7. image folder: decoded images/s"] = {
-        "median": count / seconds["median"], "min": count / seconds["max"],
+        "median": count / seconds["median"],
+        "min": count / seconds["max"],
         "max": count / seconds["min"],
-    }  # fmt: skip
+    }
     rows |= accelerated_rows(train_set, batch, steps, repeats, data_overrides, workdir, real, tiny)
     from benchmarks import step_overhead
 

@@ -137,8 +137,12 @@ def report(ms: float, steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=step_overhead.KINDS, default="template",
-                        help="raw loop, bare L.Trainer or src.train (default)")  # fmt: skip
+    parser.add_argument(
+        "--kind",
+        choices=step_overhead.KINDS,
+        default="template",
+        help="raw loop, bare L.Trainer or src.train (default)",
+    )
     parser.add_argument("--wall", action="store_true", help="wall time, not main-thread CPU time")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=500)
@@ -152,8 +156,11 @@ def main() -> None:
         clock = time.perf_counter
     instrument()
     step_clock = Clock(args.warmup, args.steps)
-    {"raw": step_overhead.run_raw, "bare": step_overhead.run_bare,
-     "template": step_overhead.run_template}[args.kind](args, step_clock)  # fmt: skip
+    {
+        "raw": step_overhead.run_raw,
+        "bare": step_overhead.run_bare,
+        "template": step_overhead.run_template,
+    }[args.kind](args, step_clock)
     sys.exit("the run ended before the timed steps")
 
 

@@ -120,10 +120,18 @@ def run_bare(args: argparse.Namespace, clock: Clock) -> None:
     cfg, datamodule, model = build(args)
     torch.manual_seed(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, logger=False, callbacks=[clock_callback(clock)],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=args.workdir,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        callbacks=[clock_callback(clock)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=args.workdir,
+    )
     trainer.fit(model, train_dataloaders=loader(datamodule.train_set, cfg.data.batch_size))
 
 
@@ -133,9 +141,14 @@ def run_template(args: argparse.Namespace, clock: Clock) -> None:
 
     build = src.template.trainer.build_callbacks
     src.template.trainer.build_callbacks = lambda *a, **k: [*build(*a, **k), clock_callback(clock)]
-    sys.argv = ["src.train", *args.overrides, f"paths.root_dir={args.workdir}",
-                f"hydra.run.dir={tempfile.mkdtemp(dir=args.workdir, prefix='job')}",
-                "trainer.limit_val_batches=2", "trainer.num_sanity_val_steps=0"]  # fmt: skip
+    sys.argv = [
+        "src.train",
+        *args.overrides,
+        f"paths.root_dir={args.workdir}",
+        f"hydra.run.dir={tempfile.mkdtemp(dir=args.workdir, prefix='job')}",
+        "trainer.limit_val_batches=2",
+        "trainer.num_sanity_val_steps=0",
+    ]
     runpy.run_module("src.train", run_name="__main__")
 
 
@@ -164,20 +177,41 @@ def time_step(
     net, batch, warmup, steps = SETTINGS[setting]
     if tiny:
         warmup, steps = 3, 10
-    overrides = [*data, *net, f"data.batch_size={batch}", "trainer.max_epochs=1",
-                 f"trainer.limit_train_batches={warmup + steps + 5}"]  # fmt: skip
-    command = [sys.executable, "-m", "benchmarks.step_overhead", "--child", kind,
-               f"--warmup={warmup}", f"--steps={steps}", f"--workdir={workdir}",
-               *overrides]  # fmt: skip
+    overrides = [
+        *data,
+        *net,
+        f"data.batch_size={batch}",
+        "trainer.max_epochs=1",
+        f"trainer.limit_train_batches={warmup + steps + 5}",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.step_overhead",
+        "--child",
+        kind,
+        f"--warmup={warmup}",
+        f"--steps={steps}",
+        f"--workdir={workdir}",
+        *overrides,
+    ]
     proc = subprocess.run(
-        command, cwd=workdir, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT),
-             **({"OMP_NUM_THREADS": str(threads)} if threads else {})},
-    )  # fmt: skip
+        command,
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            **({"OMP_NUM_THREADS": str(threads)} if threads else {}),
+        },
+    )
     marks = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
     if not marks:
-        raise RuntimeError(f"{kind} ({setting}) timed no steps:\n{proc.stdout[-2000:]}\n"
-                           f"{proc.stderr[-3000:]}")  # fmt: skip
+        raise RuntimeError(
+            f"{kind} ({setting}) timed no steps:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        )
     wall, cpu = marks[-1].split()[1:]
     return float(wall), float(cpu)
 

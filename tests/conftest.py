@@ -111,9 +111,14 @@ def run_job(
     __tracebackhide__ = True  # the failure shows the stacks, not this function's source
     env = {**env, "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(
-        list(command), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+        list(command),
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -224,7 +229,7 @@ class Job:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         self.stderr = ""
 
     def wait_for_checkpoint(self, ranks: int) -> list[psutil.Process]:
@@ -305,10 +310,19 @@ def trained(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 def local_server_argv(port: int, folder: Path) -> list[str]:
     """``mlflow server`` on 127.0.0.1:``port`` with its store and artifacts in ``folder``."""
     return [
-        "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
-        "--artifacts-destination", str(folder / "server-artifacts"),
-    ]  # fmt: skip
+        "mlflow",
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{folder / 'server.db'}",
+        "--artifacts-destination",
+        str(folder / "server-artifacts"),
+    ]
 
 
 @contextmanager
@@ -326,9 +340,13 @@ def mlflow_server(
     env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
     with log.open("w") as out:
         server = subprocess.Popen(
-            list(argv), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+            list(argv),
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
     url = f"{'https' if certificate else 'http'}://127.0.0.1:{port}"
     trust = ssl.create_default_context(cafile=certificate) if certificate else None
     try:

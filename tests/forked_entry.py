@@ -47,9 +47,14 @@ class ForkedEntry:
         self.project = project
         env = {**os.environ, "PYTHONPATH": str(project)}
         self.server = subprocess.Popen(
-            [sys.executable, "-c", SERVER], cwd=project, env=env, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-        )  # fmt: skip
+            [sys.executable, "-c", SERVER],
+            cwd=project,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
 
     def run(
         self, module: str, *args: str, cwd: Path, timeout: float = 300

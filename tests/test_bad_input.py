@@ -231,9 +231,12 @@ def test_more_gpus_than_the_machine_has(
 def test_an_unreachable_tracking_server(tiny_root: Path, tmp_path: Path) -> None:
     """Nothing but the one line: no config line before it, no urllib3 'Retrying' warning."""
     proc = run_entry(
-        "train", *tiny_overrides(tiny_root), "logger.tracking_uri=http://127.0.0.1:9",
-        cwd=tmp_path, check=False,
-    )  # fmt: skip
+        "train",
+        *tiny_overrides(tiny_root),
+        "logger.tracking_uri=http://127.0.0.1:9",
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 1
     (line,) = (proc.stdout + proc.stderr).strip().splitlines()
     assert line.startswith("Error: MLflow server http://127.0.0.1:9 is not reachable ("), line
@@ -308,9 +311,13 @@ def test_a_truncated_dataset_file(tiny_root: Path, tmp_path: Path, forked: Forke
 @pytest.mark.parametrize("entry", ["eval", "predict"])
 def test_an_unknown_split(entry: str, tiny_root: Path, tmp_path: Path) -> None:
     proc = run_entry(
-        entry, f"data.root={tiny_root}", "ckpt_path=x.ckpt", "split=validation", cwd=tmp_path,
+        entry,
+        f"data.root={tiny_root}",
+        "ckpt_path=x.ckpt",
+        "split=validation",
+        cwd=tmp_path,
         check=False,
-    )  # fmt: skip
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "split=validation is not valid; use split=test or split=val" in proc.stderr
     assert list(tmp_path.iterdir()) == [], "nothing is left behind"

@@ -28,8 +28,11 @@ def test_benchmark_tiny_mode_reports_every_row(tmp_path: Path) -> None:
     published = (PROJECT / "benchmarks" / "results.json").read_bytes()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--tiny", "--out", str(out)],
-        cwd=PROJECT, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=PROJECT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     rows = results["rows"]

@@ -208,10 +208,13 @@ def test_best_file_copied_into_a_resumed_folder_is_never_rewritten_in_place(
     source = old / "epoch000-acc1.0000.ckpt"
     torch.save({"weights": torch.arange(1000)}, source)
     state = {
-        "dirpath": str(old), "best_k_models": {str(source): torch.tensor(1.0)},
-        "best_model_path": str(source), "kth_best_model_path": str(source),
-        "best_model_score": torch.tensor(1.0), "kth_value": torch.tensor(1.0),
-    }  # fmt: skip
+        "dirpath": str(old),
+        "best_k_models": {str(source): torch.tensor(1.0)},
+        "best_model_path": str(source),
+        "kth_best_model_path": str(source),
+        "best_model_score": torch.tensor(1.0),
+        "kth_value": torch.tensor(1.0),
+    }
     best = BestCheckpoint(dirpath=new, monitor="val/acc", mode="max", save_top_k=1)
     best.load_state_dict(state)  # fit resumes into a new folder: the best file is copied
     copied = new / source.name

@@ -179,15 +179,21 @@ def test_cpu_processes_are_checked_against_the_cores(monkeypatch: pytest.MonkeyP
     for name in ("RANK", "LOCAL_RANK", "SLURM_NTASKS", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
     check_devices("cpu", 4, 1)  # twice the cores: slower, still runs (the tests do it)
-    with pytest.raises(ConfigError, match=r"^devices=5 would start 5 processes on this machine's "
-                       r"2 CPU core\(s\); use devices=2 "):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^devices=5 would start 5 processes on this machine's "
+        r"2 CPU core\(s\); use devices=2 ",
+    ):
         check_devices("cpu", 5, 3)  # per node: num_nodes does not change what one node runs
     # Each rank started by srun (or torchrun) may be bound to a few cores: the node's count.
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_PROCID", "3")
     check_devices("cpu", 8, 1)
-    with pytest.raises(ConfigError, match=r"^devices=1000 would start 1000 processes on this "
-                       r"machine's 64 CPU core\(s\); use devices=64 "):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^devices=1000 would start 1000 processes on this "
+        r"machine's 64 CPU core\(s\); use devices=64 ",
+    ):
         check_devices("cpu", 1000, 1)
 
 

@@ -35,7 +35,8 @@ def test_a_hung_job_fails_with_every_processs_stack_and_leaves_nothing() -> None
     assert "in _feed" not in message, "idle threads hid the stuck one"
     time.sleep(0.5)
     leftovers = [
-        p for p in psutil.process_iter(["cmdline"])
+        p
+        for p in psutil.process_iter(["cmdline"])
         if any("time.sleep(600)" in arg for arg in p.info["cmdline"] or [])
-    ]  # fmt: skip
+    ]
     assert not leftovers

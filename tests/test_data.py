@@ -322,9 +322,12 @@ def test_loader_workers_end_with_a_killed_rank(tmp_path: Path) -> None:
     make_dataset(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(PROJECT)}
     rank = subprocess.Popen(
-        [sys.executable, "-c", KILLED_WITH_WORKERS, str(tmp_path)], env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, "-c", KILLED_WITH_WORKERS, str(tmp_path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         assert rank.wait(timeout=120) == -9, "the rank read a batch, then was killed"
         _, alive = psutil.wait_procs(process_group(rank.pid), timeout=30)
@@ -443,11 +446,21 @@ def _require(folder: str, *names: str) -> None:
 def real_data_skip(env: dict[str, str]) -> str:
     """Why test_real_fashion_mnist skips in a pytest run with ``env``: its -rs reason."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", f"{__file__}::test_real_fashion_mnist", "-rs", "-p",
-         "no:cacheprovider"],
-        cwd=PROJECT, env={**env, "PYTHONPATH": str(PROJECT)}, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            f"{__file__}::test_real_fashion_mnist",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=PROJECT,
+        env={**env, "PYTHONPATH": str(PROJECT)},
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-2000:]
     unwrapped = " ".join(proc.stdout.split())
     return unwrapped.partition("real data not available: ")[2].partition(" ===")[0]

@@ -334,11 +334,20 @@ def test_torchrun_from_a_fresh_store_matches_two_devices(
     train = ["-m", "src.train", *tiny_overrides(tiny_root), "trainer.max_epochs=1"]
     train += ["strategy=ddp", f"devices={per_node}", f"num_nodes={nodes}"]
     commands = [
-        [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
-         f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}",
-         *train, f"hydra.run.dir={run_dir}"]
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nodes}",
+            f"--node-rank={node}",
+            f"--nproc-per-node={per_node}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            *train,
+            f"hydra.run.dir={run_dir}",
+        ]
         for node in range(nodes)
-    ]  # fmt: skip
+    ]
     launch_together(commands, [{}] * nodes, cwd=tmp_path)
     assert_same_metrics(run_dir, two_devices)
     node, local = (1, 0) if nodes == 2 else (0, 1)
@@ -356,9 +365,14 @@ def test_a_dead_rank_ends_the_torchrun_job_within_seconds(tiny_root: Path, tmp_p
     command += train
     env = {**os.environ, "PYTHONPATH": str(PROJECT)}
     torchrun = subprocess.Popen(
-        command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for_file(tmp_path / "run/checkpoints/last.ckpt")
         children = {p.pid for p in psutil.Process(torchrun.pid).children(recursive=True)}

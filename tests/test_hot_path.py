@@ -32,10 +32,17 @@ def test_training_steps_call_only_lightnings_own_collectives(tiny_root: Path, tm
         "COUNT_COLLECTIVES": str(tmp_path),
     }
     run_entry(
-        "train", *tiny_overrides(tiny_root), "strategy=ddp", "devices=2", "data.batch_size=16",
-        "trainer.max_epochs=2", f"callbacks.stop_check_every_n_steps={every}",
-        "hydra.run.dir=run", cwd=tmp_path, env=env,
-    )  # fmt: skip
+        "train",
+        *tiny_overrides(tiny_root),
+        "strategy=ddp",
+        "devices=2",
+        "data.batch_size=16",
+        "trainer.max_epochs=2",
+        f"callbacks.stop_check_every_n_steps={every}",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+        env=env,
+    )
     for rank in (0, 1):
         steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
         # Steps followed by another step of the same epoch: no epoch end in between.
@@ -59,10 +66,13 @@ def test_the_templates_step_code_never_syncs_the_gpu(tiny_root: Path, tmp_path: 
     template callbacks' batch hooks) under ``set_sync_debug_mode("error")``."""
     args = [*tiny_overrides(tiny_root), "accelerator=gpu", "devices=1", "trainer.max_epochs=2"]
     proc = subprocess.run(
-        [sys.executable, str(STRICT), *args, "logger=none", "hydra.run.dir=run"], cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(PROJECT)}, capture_output=True, text=True,
+        [sys.executable, str(STRICT), *args, "logger=none", "hydra.run.dir=run"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        capture_output=True,
+        text=True,
         timeout=600,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     count = int(re.search(r"steps checked: (\d+)", proc.stdout).group(1))
     assert count >= 20, proc.stdout[-3000:]

@@ -57,8 +57,13 @@ def test_the_container_command_on_two_pods_matches_two_devices(
     env = {item["name"]: item["value"] for item in train["env"]}
     train_args = " ".join([*tiny_overrides(tiny_root), "trainer.max_epochs=1"])
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env.update(GPUS_PER_NODE="1", MASTER_ADDR="127.0.0.1", RUN_DIR=str(tmp_path / "volume/train"),
-               MLFLOW_TRACKING_URI=store, TRAIN_ARGS=train_args)  # fmt: skip
+    env.update(
+        GPUS_PER_NODE="1",
+        MASTER_ADDR="127.0.0.1",
+        RUN_DIR=str(tmp_path / "volume/train"),
+        MLFLOW_TRACKING_URI=store,
+        TRAIN_ARGS=train_args,
+    )
     port = str(free_port())
     script = train["args"][0].replace("--master-port=29500", f"--master-port={port}")
     command = [*train["command"], script]

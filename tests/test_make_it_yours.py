@@ -30,9 +30,13 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def tiny(images: Path) -> list[str]:
     return [
-        "data=image_folder", f"data.root={images}", f"data.val_size={VAL}",
-        "data.batch_size=20", "trainer.max_epochs=2", "callbacks.progress_bar=none",
-    ]  # fmt: skip
+        "data=image_folder",
+        f"data.root={images}",
+        f"data.val_size={VAL}",
+        "data.batch_size=20",
+        "trainer.max_epochs=2",
+        "callbacks.progress_bar=none",
+    ]
 
 
 PAGE = PROJECT / "docs" / "make-it-yours.md"
@@ -81,9 +85,15 @@ def test_rgb_images_with_each_network(net: str, images: Path, tmp_path: Path) ->
     evals = {}
     for devices in (1, 3):
         run_entry(
-            "eval", *tiny(images), f"ckpt_path={ckpt}", "strategy=ddp", f"devices={devices}",
-            "logger=none", f"hydra.run.dir={tmp_path / f'eval{devices}'}", cwd=tmp_path,
-        )  # fmt: skip
+            "eval",
+            *tiny(images),
+            f"ckpt_path={ckpt}",
+            "strategy=ddp",
+            f"devices={devices}",
+            "logger=none",
+            f"hydra.run.dir={tmp_path / f'eval{devices}'}",
+            cwd=tmp_path,
+        )
         evals[devices] = read_metrics(tmp_path / f"eval{devices}")
     assert evals[3]["test/samples"] == evals[1]["test/samples"] == TEST_SAMPLES
     assert evals[3]["test/acc"] == evals[1]["test/acc"]
@@ -97,9 +107,13 @@ def test_rgb_images_with_each_network(net: str, images: Path, tmp_path: Path) ->
     )
     assert read_metrics(only_ckpt) == evals[1]
     other = run_entry(
-        "eval", f"ckpt_path={ckpt}", "data=image_folder", "data.image_size=[24,40]",
-        cwd=tmp_path, check=False,
-    )  # fmt: skip
+        "eval",
+        f"ckpt_path={ckpt}",
+        "data=image_folder",
+        "data.image_size=[24,40]",
+        cwd=tmp_path,
+        check=False,
+    )
     assert other.returncode == 1 and "Traceback" not in other.stderr
     assert "last.ckpt was trained with data.image_size=[32, 32] (here [24, 40])" in other.stderr
     run_entry("predict", *tiny(images), f"ckpt_path={ckpt}", cwd=tmp_path)
@@ -118,16 +132,28 @@ def test_a_new_network_is_one_module_and_one_config(images: Path, tmp_path: Path
         (copy / path).write_text(files[path])
     env = {"PYTHONPATH": str(copy)}
     run_entry(
-        "train", *tiny(images), "model=mlp", "model.net.hidden=32", "logger=none",
-        "strategy=ddp", "devices=2", "strategy.sync_batchnorm=true",  # a network without BN
-        cwd=copy, env=env,
-    )  # fmt: skip
+        "train",
+        *tiny(images),
+        "model=mlp",
+        "model.net.hidden=32",
+        "logger=none",
+        "strategy=ddp",
+        "devices=2",
+        "strategy.sync_batchnorm=true",  # a network without BN
+        cwd=copy,
+        env=env,
+    )
     run = only(copy / "outputs" / "train" / "runs", "*")
     metrics = read_metrics(run)
     run_entry(
-        "eval", *tiny(images), f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", "logger=none",
-        f"hydra.run.dir={tmp_path / 'eval'}", cwd=copy, env=env,
-    )  # fmt: skip
+        "eval",
+        *tiny(images),
+        f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'eval'}",
+        cwd=copy,
+        env=env,
+    )
     assert read_metrics(tmp_path / "eval")["test/samples"] == metrics["test/samples"]
     proc = run_entry(
         "train", *tiny(images), "model=mlp", "+model.net.depth=3", cwd=copy, env=env, check=False

@@ -73,10 +73,15 @@ def test_speed_options_train_on_cpu(options: dict, tiny_root: Path) -> None:
         name="mnist", root=str(tiny_root), download=False, batch_size=32, val_size=VAL_SIZE
     )
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=3, limit_val_batches=1, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        accelerator="cpu",
+        max_steps=3,
+        limit_val_batches=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
         precision="bf16-mixed" if options.get("channels_last") else "32-true",
-    )  # fmt: skip
+    )
     trainer.fit(model, datamodule=datamodule)
     assert trainer.global_step == 3
     assert set(model.state_dict()) == set(ImageClassifier(net=NET, lr=0.01).state_dict())

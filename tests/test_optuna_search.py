@@ -20,9 +20,15 @@ STUDY = "convnet-mnist"  # convnet-${data.name}
 def search(workdir: Path, tiny_root: Path, n_trials: int, *extra: str, check: bool = True):
     """``python -m src.train -m hparams_search=convnet_optuna`` with tiny-data sizes, 1 epoch."""
     return run_entry(
-        "train", "-m", "hparams_search=convnet_optuna", *sweep_overrides(tiny_root),
-        f"hydra.sweeper.n_trials={n_trials}", *extra, cwd=workdir, check=check,
-    )  # fmt: skip
+        "train",
+        "-m",
+        "hparams_search=convnet_optuna",
+        *sweep_overrides(tiny_root),
+        f"hydra.sweeper.n_trials={n_trials}",
+        *extra,
+        cwd=workdir,
+        check=check,
+    )
 
 
 def load_study(workdir: Path, name: str = STUDY) -> optuna.Study:
@@ -98,11 +104,16 @@ def test_a_proposal_equal_to_a_finished_trial_is_not_trained_again(
         "defaults:\n  - override /hydra/sweeper: optuna_search\n"
         "hydra:\n  sweeper:\n    study_name: one-point\n    storage: sqlite:///optuna.db\n"
         "    seed: 0\n    params:\n      model.lr: {type: categorical, choices: [0.01]}\n"
-    )  # fmt: skip
+    )
     run_entry(
-        "train", "-m", "hparams_search=one_point", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
-        *sweep_overrides(tiny_root), "hydra.sweeper.n_trials=2", cwd=tmp_path,
-    )  # fmt: skip
+        "train",
+        "-m",
+        "hparams_search=one_point",
+        f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+        *sweep_overrides(tiny_root),
+        "hydra.sweeper.n_trials=2",
+        cwd=tmp_path,
+    )
     first, second = load_study(tmp_path, "one-point").trials
     assert first.params == second.params and second.value == first.value
     assert second.user_attrs["same_params_as_trial"] == 0

@@ -139,17 +139,24 @@ def assert_complete_run(client: MlflowClient, run_id: str, epochs: int, status: 
 
 def sync(run_dir: Path, *options: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "src.sync", str(run_dir), *options], cwd=run_dir.parent,
-        env={**os.environ, "PYTHONPATH": str(PROJECT)}, capture_output=True, text=True,
+        [sys.executable, "-m", "src.sync", str(run_dir), *options],
+        cwd=run_dir.parent,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.slow
 def test_an_outage_mid_training_delays_records_not_training(server, job_factory) -> None:
     with server() as url:
-        job = job_factory(f"trainer.max_epochs={OUTAGE_EPOCHS}", f"logger.tracking_uri={url}",
-                          "logger.system_metrics_s=1", env=slow_job_env())  # fmt: skip
+        job = job_factory(
+            f"trainer.max_epochs={OUTAGE_EPOCHS}",
+            f"logger.tracking_uri={url}",
+            "logger.system_metrics_s=1",
+            env=slow_job_env(),
+        )
         wait_for(lambda: epochs_queued(job.run_dir) >= 1, "the first epoch")
     # The server is gone: training goes on, and its records wait in the outbox.
     outage_start, queued = time.time(), epochs_queued(job.run_dir)
@@ -177,8 +184,12 @@ def test_an_outage_mid_training_delays_records_not_training(server, job_factory)
 @pytest.mark.slow
 def test_a_server_away_at_the_end_leaves_its_records_to_src_sync(server, job_factory) -> None:
     with server():
-        job = job_factory("trainer.max_epochs=2", f"logger.tracking_uri={server.url}",
-                          "logger.send_timeout_s=3", env=slow_job_env())  # fmt: skip
+        job = job_factory(
+            "trainer.max_epochs=2",
+            f"logger.tracking_uri={server.url}",
+            "logger.send_timeout_s=3",
+            env=slow_job_env(),
+        )
         wait_for(lambda: (job.run_dir / "mlflow_run_id.txt").exists(), "the run")
     job.wait(timeout=300)
     assert job.proc.returncode == 0, job.stderr[-3000:]
@@ -206,8 +217,9 @@ def test_a_server_away_at_the_end_leaves_its_records_to_src_sync(server, job_fac
 @pytest.mark.slow
 def test_a_job_killed_during_an_outage_loses_nothing_it_logged(server, job_factory) -> None:
     with server():
-        job = job_factory(f"trainer.max_epochs={EPOCHS}", f"logger.tracking_uri={server.url}",
-                          env=slow_job_env())  # fmt: skip
+        job = job_factory(
+            f"trainer.max_epochs={EPOCHS}", f"logger.tracking_uri={server.url}", env=slow_job_env()
+        )
         wait_for(lambda: (job.run_dir / "mlflow_run_id.txt").exists(), "the run")
     wait_for(lambda: epochs_queued(job.run_dir) >= 2, "two epochs")
     # Frozen, not yet killed: src.sync takes seconds to start, and a busy machine would let
@@ -270,9 +282,15 @@ def test_an_offline_seed_sweep_once_synced_is_the_online_sweep(server, tiny_root
     makes on the server what an online sweep makes: the parent, every job nested under it, the
     summary naming the jobs' runs. Synced again, nothing is made twice."""
     run_entry(
-        "train", "-m", *sweep_overrides(tiny_root), "seed=1,2", "logger.offline=true",
-        f"logger.tracking_uri={server.url}", "logger.log_model=false", cwd=tmp_path,
-    )  # fmt: skip
+        "train",
+        "-m",
+        *sweep_overrides(tiny_root),
+        "seed=1,2",
+        "logger.offline=true",
+        f"logger.tracking_uri={server.url}",
+        "logger.log_model=false",
+        cwd=tmp_path,
+    )
     (sweep,) = sweep_folders(tmp_path)
     with server() as url:
         assert (done := sync(sweep)).returncode == 0, done.stderr

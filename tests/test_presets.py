@@ -30,9 +30,14 @@ def train(tiny_root: Path, workdir: Path, *overrides: str, env: dict[str, str] |
     run_dir = workdir / "run"
     tiny = [o for o in tiny_overrides(tiny_root) if not o.startswith("trainer.max_epochs=")]
     proc = run_entry(
-        "train", *tiny, "logger=none", *overrides,
-        f"hydra.run.dir={run_dir}", cwd=workdir, env=env,
-    )  # fmt: skip
+        "train",
+        *tiny,
+        "logger=none",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+        cwd=workdir,
+        env=env,
+    )
     return proc, run_dir
 
 

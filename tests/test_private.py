@@ -15,8 +15,10 @@ from src.template.private import (
 def test_lightnings_subprocess_launcher_has_what_the_watched_launcher_uses() -> None:
     assert callable(SubprocessScriptLauncher._call_children_scripts)
     assert list(inspect.signature(SubprocessScriptLauncher.launch).parameters)[:3] == [
-        "self", "function", "args",
-    ]  # fmt: skip
+        "self",
+        "function",
+        "args",
+    ]
     launcher = SubprocessScriptLauncher.__new__(SubprocessScriptLauncher)
     launcher.__init__(cluster_environment=None, num_processes=2, num_nodes=1)
     assert launcher.procs == [], "the started rank processes are read from .procs"
@@ -74,7 +76,8 @@ def test_litdatas_internals_that_data_shards_uses_for_remote_reads() -> None:
     assert isinstance(downloader._OBSTORE_CLIENT_OPTIONS, dict), "allow_http is set there"
     assert callable(_WorkerEnv.detect)
     assert list(inspect.signature(StreamingDataset._create_cache).parameters) == [
-        "self", "worker_env",
-    ]  # fmt: skip
+        "self",
+        "worker_env",
+    ]
     assert "self.on_demand_bytes" in inspect.getsource(StreamingDataset)
     assert _convert_bytes_to_int("10GB") == 10**10 and _convert_bytes_to_int("1.5MB") == 1_500_000

@@ -657,9 +657,13 @@ def run_make(command: ReadmeCommand, workdir: Path, request: pytest.FixtureReque
     Makefile's ``VENV`` (CI's ``.ci/run`` makes it ``.venv``, the default)."""
     env = {**command_env(), "VENV": sys.prefix, "PRE_COMMIT_HOME": str(workdir / "pre-commit")}
     proc = subprocess.run(
-        list(command.tokens), cwd=PROJECT, env=env, capture_output=True, text=True,
+        list(command.tokens),
+        cwd=PROJECT,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=TIMEOUT_S,
-    )  # fmt: skip
+    )
     check_log(proc)
     if command.tokens[1:] == ("help",):
         assert re.findall(r"make (\S+)", proc.stdout)[:1] == ["help"], proc.stdout
@@ -706,9 +710,11 @@ def slurm_running() -> None:
             "no SLURM cluster here, and no root and apt to start one (slurm/local-cluster.sh)"
         )
     proc = subprocess.run(
-        ["bash", PROJECT / "slurm" / "local-cluster.sh"], capture_output=True, text=True,
+        ["bash", PROJECT / "slurm" / "local-cluster.sh"],
+        capture_output=True,
+        text=True,
         timeout=600,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -1023,9 +1029,11 @@ def test_placeholders_of_runners_are_filled_in(tmp_path: Path) -> None:
     (tmp_path / "outputs" / "train" / "runs" / "2026-01-01_00-00-00" / "model").mkdir(parents=True)
     tokens = ["curl", "-d", "@outputs/train/runs/<time>/model", "x=outputs/train/runs/<time>"]
     assert fill_times(tokens, tmp_path) == [
-        "curl", "-d", "@outputs/train/runs/2026-01-01_00-00-00/model",
+        "curl",
+        "-d",
+        "@outputs/train/runs/2026-01-01_00-00-00/model",
         "x=outputs/train/runs/2026-01-01_00-00-00",
-    ]  # fmt: skip
+    ]
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()

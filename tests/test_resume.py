@@ -85,16 +85,26 @@ CASES = {
     "sigterm-mid-epoch": (1, [], "14:SIGTERM", 143, 15, "KILLED"),
     # Ranks agree every 3rd batch: asked in step 14 (batch 4 of epoch 1), they stop after 16.
     "sigterm-mid-epoch-2-ranks": (
-        2, ["callbacks.stop_check_every_n_steps=3"], "14:SIGTERM", 143, 16, "KILLED",
+        2,
+        ["callbacks.stop_check_every_n_steps=3"],
+        "14:SIGTERM",
+        143,
+        16,
+        "KILLED",
     ),
     "usr1-before-any-checkpoint": (1, [], "0:SIGUSR1", 138, 1, "KILLED"),
     "max-steps-mid-epoch": (1, ["trainer.max_steps=14"], None, 0, 14, "FINISHED"),
     "workers-epoch-end-2-ranks": (2, ["data.num_workers=2"], "19:SIGINT", 130, 20, "KILLED"),
     "workers-mid-epoch": (1, ["data.num_workers=2"], "14:SIGUSR1", 138, 15, "KILLED"),
     "step-checkpoint-then-sigkill": (
-        1, ["callbacks.checkpoint.every_n_train_steps=4"], "17:SIGKILL", -9, 16, "RUNNING",
+        1,
+        ["callbacks.checkpoint.every_n_train_steps=4"],
+        "17:SIGKILL",
+        -9,
+        16,
+        "RUNNING",
     ),
-}  # fmt: skip
+}
 # Cases run as a user with a fixed output folder would: the same command with ckpt_path=auto,
 # again, in the same folder (the others resume by path into a new folder).
 SAME_COMMAND_AGAIN = {

@@ -48,9 +48,13 @@ def test_the_saved_model_takes_raw_images_and_loads_without_pickles(
     else:
         make_image_folder(tmp_path / "images", n_train=6, n_test=4)
         datamodule = ImageFolderDataModule(
-            name="image_folder", root=str(tmp_path / "images"), image_size=[32, 32], channels=3,
-            batch_size=8, val_size=5,
-        )  # fmt: skip
+            name="image_folder",
+            root=str(tmp_path / "images"),
+            image_size=[32, 32],
+            channels=3,
+            batch_size=8,
+            val_size=5,
+        )
         net_name = "resnet"
     datamodule.prepare_data()
     datamodule.load()
@@ -92,8 +96,19 @@ def served(model_uri: str, cwd: Path, images: np.ndarray) -> list[dict]:
     """Predictions of ``mlflow models serve -m model_uri --env-manager local``, run in ``cwd``
     (its default store is ./mlflow.db there) on 127.0.0.1, stopped afterwards."""
     port = free_port()
-    argv = ["mlflow", "models", "serve", "-m", model_uri, "--env-manager", "local",
-            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    argv = [
+        "mlflow",
+        "models",
+        "serve",
+        "-m",
+        model_uri,
+        "--env-manager",
+        "local",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     with mlflow_server(argv, port, cwd) as url:
         return invoke(url, images)
 
@@ -115,8 +130,14 @@ def predicted_by_src_predict(workdir: Path, job: Path) -> list[int]:
 def test_the_best_job_of_a_sweep_is_registered_and_served(tiny_root: Path, tmp_path: Path) -> None:
     """The path of docs/mlflow.md: a sweep (each job logs its model), src.register picks the best
     job by optimized_metric, and `mlflow models serve` answers as src.predict does."""
-    run_entry("train", "-m", *tiny_overrides(tiny_root), "seed=1,2",
-              "logger.registered_model_name=every-job", cwd=tmp_path)  # fmt: skip
+    run_entry(
+        "train",
+        "-m",
+        *tiny_overrides(tiny_root),
+        "seed=1,2",
+        "logger.registered_model_name=every-job",
+        cwd=tmp_path,
+    )
     (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("mnist").experiment_id
@@ -145,8 +166,10 @@ def test_the_best_job_of_a_sweep_is_registered_and_served(tiny_root: Path, tmp_p
     kind = client.get_experiment(experiment).tags["mlflow.experimentKind"]
     assert kind == "custom_model_development", "the UI opens the experiment on its training runs"
 
-    scores = {job: json.loads((sweep / job / "metrics.json").read_text())["val/acc_best"]
-              for job in ("0", "1")}  # fmt: skip
+    scores = {
+        job: json.loads((sweep / job / "metrics.json").read_text())["val/acc_best"]
+        for job in ("0", "1")
+    }
     best = max(scores, key=scores.get)
     argv = [sys.executable, "-m", "src.register", str(sweep), "--name", "best"]
     env = {**os.environ, "PYTHONPATH": str(PROJECT)}
@@ -182,10 +205,19 @@ def test_a_ddp_job_logs_one_model_to_a_server_once(tiny_root: Path, tmp_path: Pa
     port = free_port()
     run_dir = tmp_path / "run"
     with mlflow_server(local_server_argv(port, tmp_path), port, tmp_path) as url:
-        run_entry("train", *tiny_overrides(tiny_root), "strategy=ddp", "devices=2",
-                  "accelerator=cpu", f"logger.tracking_uri={url}", "logger.system_metrics_s=1",
-                  "logger.registered_model_name=ddp", f"hydra.run.dir={run_dir}",
-                  cwd=tmp_path, env=SLOW_STEPS)  # fmt: skip
+        run_entry(
+            "train",
+            *tiny_overrides(tiny_root),
+            "strategy=ddp",
+            "devices=2",
+            "accelerator=cpu",
+            f"logger.tracking_uri={url}",
+            "logger.system_metrics_s=1",
+            "logger.registered_model_name=ddp",
+            f"hydra.run.dir={run_dir}",
+            cwd=tmp_path,
+            env=SLOW_STEPS,
+        )
         client = MlflowClient(url)
         run_id = (run_dir / "mlflow_run_id.txt").read_text().strip()
         experiment = client.get_run(run_id).info.experiment_id

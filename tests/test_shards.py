@@ -118,8 +118,16 @@ def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
     odd = sorted((images / "train").rglob("*.png"))[::4]  # other sizes, other aspect ratios
     for k, path in enumerate(odd):
         Image.open(path).resize((20 + 9 * k, 60 - 3 * k)).save(path)
-    run_entry("prepare", "data=image_folder", f"data.root={images}", "data.image_size=[32,32]",
-              "data.val_size=5", f"out={out}", "hydra.run.dir=prepare", cwd=tmp_path)  # fmt: skip
+    run_entry(
+        "prepare",
+        "data=image_folder",
+        f"data.root={images}",
+        "data.image_size=[32,32]",
+        "data.val_size=5",
+        f"out={out}",
+        "hydra.run.dir=prepare",
+        cwd=tmp_path,
+    )
     source = ImageFolderDataModule("image_folder", str(images), [32, 32], 3, 8, val_size=5)
     labels, image_at = source.sample_source("train")
     digest, counts = scan(source, "train", labels, image_at, chunk=7)  # 45 images: 7 chunks
@@ -205,9 +213,13 @@ def test_shards_train_as_the_source_and_the_same_global_batches_on_two_ranks(
     for name, args in jobs.items():
         record = tmp_path / f"{name}.jsonl"
         run_entry(
-            "train", *args, *SMALL, f"hydra.run.dir={name}", cwd=tmp_path,
+            "train",
+            *args,
+            *SMALL,
+            f"hydra.run.dir={name}",
+            cwd=tmp_path,
             env={**env, "RECORD_BATCHES": str(record)},
-        )  # fmt: skip
+        )
     assert read_metrics(tmp_path / "idx") == read_metrics(tmp_path / "shards1")
 
     one, two = (
@@ -223,9 +235,16 @@ def test_shards_train_as_the_source_and_the_same_global_batches_on_two_ranks(
         ddp = ["strategy=ddp", f"devices={devices}"] if devices > 1 else []
         run_dir = tmp_path / f"eval{devices}"
         run_entry(
-            "eval", f"ckpt_path={ckpt}", "data=shards", f"data.root={shards}",
-            "data.num_workers=1", "logger=none", *ddp, f"hydra.run.dir={run_dir}", cwd=tmp_path,
-        )  # fmt: skip
+            "eval",
+            f"ckpt_path={ckpt}",
+            "data=shards",
+            f"data.root={shards}",
+            "data.num_workers=1",
+            "logger=none",
+            *ddp,
+            f"hydra.run.dir={run_dir}",
+            cwd=tmp_path,
+        )
         evals[devices] = read_metrics(run_dir)
     assert evals[1]["test/samples"] == evals[2]["test/samples"] == N_TEST
     assert evals[1]["test/acc"] == evals[2]["test/acc"]
@@ -275,9 +294,12 @@ def augmented_batches(split: TensorSplit, world: int, workers: int, epoch: int) 
         sampler = EpochTaggedSampler(split, world, rank, global_batch_size=8, seed=3)
         sampler.set_epoch(epoch)
         loader = DataLoader(
-            data, batch_size=8 // world, sampler=sampler, num_workers=workers,
+            data,
+            batch_size=8 // world,
+            sampler=sampler,
+            num_workers=workers,
             collate_fn=keep_batch,
-        )  # fmt: skip
+        )
         per_rank.append([batch.inputs for batch in loader])
     return torch.cat([torch.cat(step) for step in zip(*per_rank, strict=True)])
 
@@ -331,9 +353,13 @@ def test_predict_classifies_a_folder_of_new_images(
     right = sum(int(r["class_name"]) == int(labels[int(Path(r["path"]).stem)]) for r in rows)
     assert right >= 27, rows  # the tiny data is learnable: test accuracy is ~1
     missing = run_entry(
-        "predict", f"ckpt_path={ckpt}", f"images={folder}/*.jpg", "hydra.run.dir=q",
-        cwd=tmp_path, check=False,
-    )  # fmt: skip
+        "predict",
+        f"ckpt_path={ckpt}",
+        f"images={folder}/*.jpg",
+        "hydra.run.dir=q",
+        cwd=tmp_path,
+        check=False,
+    )
     assert missing.returncode == 1 and "no images" in missing.stderr + missing.stdout
 
 
@@ -346,8 +372,11 @@ def test_the_cache_must_hold_the_shards_a_rank_reads_in_an_epoch() -> None:
     chunks = [{"chunk_size": 10, "chunk_bytes": 100 * (k + 1)} for k in range(8)]  # 3,600 B
     assert training_bytes(chunks, partitions=None) == 3600
     # 4 partitions of 2 shards; rank r of 2 reads partitions 2r and 2r + 1 (the sampler's mine).
-    for world, rank, expected in ((2, 0, 100 + 200 + 300 + 400), (2, 1, 500 + 600 + 700 + 800),
-                                  (4, 2, 500 + 600)):  # fmt: skip
+    for world, rank, expected in (
+        (2, 0, 100 + 200 + 300 + 400),
+        (2, 1, 500 + 600 + 700 + 800),
+        (4, 2, 500 + 600),
+    ):
         parts = [torch.arange(8)] * 4  # the sampler only needs as many partitions
         mine = PartitionedBatchSampler(range(32), world, rank, 4, 0, parts).mine
         assert training_bytes(chunks, partitions=4, mine=mine) == expected
@@ -409,9 +438,13 @@ def test_partitioned_shards_train_the_same_on_one_and_two_ranks(
     env = {"PYTHONPATH": f"{RECORDER}{os.pathsep}{PROJECT}"}
     for name, more in (("one", []), ("two", ["strategy=ddp", "devices=2", "data.num_workers=1"])):
         run_entry(
-            "train", *args, *more, f"hydra.run.dir={name}", cwd=tmp_path,
+            "train",
+            *args,
+            *more,
+            f"hydra.run.dir={name}",
+            cwd=tmp_path,
             env={**env, "RECORD_BATCHES": str(tmp_path / f"{name}.jsonl")},
-        )  # fmt: skip
+        )
     one, two = global_batches(tmp_path / "one.jsonl"), global_batches(tmp_path / "two.jsonl")
     assert one == two and len(one) >= 8
     assert_weights_close(tmp_path / "one", tmp_path / "two")
@@ -456,9 +489,12 @@ def upload(folder: Path, bucket: str, prefix: str, env: dict[str, str]) -> str:
     import boto3
 
     s3 = boto3.client(
-        "s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_DEFAULT_REGION"],
-        aws_access_key_id="test", aws_secret_access_key="test",
-    )  # fmt: skip
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        region_name=env["AWS_DEFAULT_REGION"],
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+    )
     s3.create_bucket(Bucket=bucket)
     for path in folder.rglob("*"):
         if path.is_file():
@@ -476,9 +512,13 @@ def test_shards_stream_from_s3_through_a_bounded_cache(
     cache = tmp_path / "cache"
     # In this process: no loader workers, whose forkserver may predate this environment.
     remote = ShardDataModule(
-        "shards", root, batch_size=32, val_size=VAL_SIZE, cache_dir=str(cache),
+        "shards",
+        root,
+        batch_size=32,
+        val_size=VAL_SIZE,
+        cache_dir=str(cache),
         max_cache_size="1MB",
-    )  # fmt: skip
+    )
     local = ShardDataModule("shards", str(shards), batch_size=32, val_size=VAL_SIZE)
     for dm in (remote, local):
         dm.setup("fit")

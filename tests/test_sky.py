@@ -80,21 +80,34 @@ def test_a_preempted_managed_job_run_again_continues_exactly(
     step checkpoint; SkyPilot's recovery runs the same section again (same task id, same bucket
     folder, new nodes), which continues exactly in the same MLflow run."""
     task = yaml.safe_load(MANAGED.read_text())
-    task["envs"].update(RUN_ROOT=str(tmp_path / "bucket"), SKYPILOT_TASK_ID="sky-managed-1",
-                        MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")  # fmt: skip
-    args = [*tiny_overrides(tiny_root), "trainer.max_epochs=1",
-            "callbacks.checkpoint.every_n_train_steps=3"]  # fmt: skip
+    task["envs"].update(
+        RUN_ROOT=str(tmp_path / "bucket"),
+        SKYPILOT_TASK_ID="sky-managed-1",
+        MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+    )
+    args = [
+        *tiny_overrides(tiny_root),
+        "trainer.max_epochs=1",
+        "callbacks.checkpoint.every_n_train_steps=3",
+    ]
     command = ["bash", "-euc", task["run"]]
-    slow = {"PYTHONPATH": os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)]),
-            "SLEEP_PER_STEP": "0.5"}  # fmt: skip
+    slow = {
+        "PYTHONPATH": os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)]),
+        "SLEEP_PER_STEP": "0.5",
+    }
     run_dir = tmp_path / "bucket" / "sky-managed-1"
     last = run_dir / "checkpoints" / "last.ckpt"
     nodes = [
-        subprocess.Popen(command, cwd=tmp_path, env={**os.environ, **env},
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+        subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            env={**os.environ, **env},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         for env in node_envs(task, args, slow)
-    ]  # fmt: skip
+    ]
     try:
         deadline = time.monotonic() + 240
         while not last.is_file():

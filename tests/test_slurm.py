@@ -73,9 +73,14 @@ def test_sbatch_from_a_fresh_store_matches_two_devices(
     # As docs/clusters.md shows it, on CPU nodes; srun starts both ranks at once on a fresh
     # mlflow.db.
     job, state = sbatch(
-        tmp_path, f"--nodes={nodes}", f"--ntasks-per-node={per_node}", "--gpus-per-node=0",
-        str(SBATCH), *tiny_overrides(tiny_root), "trainer.max_epochs=1",
-    )  # fmt: skip
+        tmp_path,
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={per_node}",
+        "--gpus-per-node=0",
+        str(SBATCH),
+        *tiny_overrides(tiny_root),
+        "trainer.max_epochs=1",
+    )
     output = (tmp_path / f"slurm-{job}.out").read_text()
     assert state == "COMPLETED", output[-5000:]
     assert "Traceback" not in output
@@ -90,9 +95,14 @@ def test_sbatch_from_a_fresh_store_matches_two_devices(
     # slurm/eval.sbatch across the nodes gives the test metrics training reported.
     ckpt = next(p for p in (run_dir / "checkpoints").glob("*.ckpt") if p.name != "last.ckpt")
     job, state = sbatch(
-        tmp_path, f"--nodes={nodes}", f"--ntasks-per-node={per_node}", "--gpus-per-node=0",
-        str(EVAL_SBATCH), f"ckpt_path={ckpt}", f"data.root={tiny_root}",
-    )  # fmt: skip
+        tmp_path,
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={per_node}",
+        "--gpus-per-node=0",
+        str(EVAL_SBATCH),
+        f"ckpt_path={ckpt}",
+        f"data.root={tiny_root}",
+    )
     output = (tmp_path / f"slurm-{job}.out").read_text()
     assert state == "COMPLETED" and "Traceback" not in output, output[-5000:]
     evaluated = read_metrics(tmp_path / "outputs" / "eval" / "slurm" / job)
@@ -108,9 +118,15 @@ def test_sbatch_takes_hydra_run_dir_from_its_arguments(
     slurm_cluster: None, tiny_root: Path, tmp_path: Path
 ) -> None:
     job, state = sbatch(
-        tmp_path, "--gpus-per-node=0", "--ntasks-per-node=1", str(SBATCH),
-        *tiny_overrides(tiny_root), "trainer.max_epochs=1", "logger=none", "hydra.run.dir=mine",
-    )  # fmt: skip
+        tmp_path,
+        "--gpus-per-node=0",
+        "--ntasks-per-node=1",
+        str(SBATCH),
+        *tiny_overrides(tiny_root),
+        "trainer.max_epochs=1",
+        "logger=none",
+        "hydra.run.dir=mine",
+    )
     assert state == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-5000:]
     assert read_metrics(tmp_path / "mine")["val/samples"] > 0
     assert not (tmp_path / "outputs").exists()
@@ -123,9 +139,13 @@ def test_a_dead_rank_ends_the_srun_job_within_seconds(
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(PROJECT)}
     args = [*tiny_overrides(tiny_root), "trainer.max_epochs=500", "hydra.run.dir=run"]
     submitted = subprocess.run(
-        ["sbatch", "--gpus-per-node=0", str(SBATCH), *args], cwd=tmp_path, env=env,
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        ["sbatch", "--gpus-per-node=0", str(SBATCH), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     job = re.search(r"Submitted batch job (\d+)", submitted.stdout).group(1)
     try:
         wait_for_file(tmp_path / "run/checkpoints/last.ckpt")
@@ -156,15 +176,26 @@ def test_usr1_requeues_and_the_job_resumes_into_the_same_run(
     args = [*tiny_overrides(tiny_root), f"trainer.max_epochs={epochs}"]
     reference = tmp_path / "reference"
     reference.mkdir()
-    run_entry("train", *args, "strategy=ddp", "devices=2", "logger=none",
-              "hydra.run.dir=run", cwd=reference)  # fmt: skip
+    run_entry(
+        "train",
+        *args,
+        "strategy=ddp",
+        "devices=2",
+        "logger=none",
+        "hydra.run.dir=run",
+        cwd=reference,
+    )
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(PROJECT)}
     if when == "before-training":
         env |= {"PYTHONPATH": f"{INSTRUMENT}:{PROJECT}", "PAUSE_IN_SETUP": "120"}
     submitted = subprocess.run(
-        ["sbatch", "--gpus-per-node=0", str(SBATCH), *args], cwd=tmp_path, env=env,
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        ["sbatch", "--gpus-per-node=0", str(SBATCH), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     job = re.search(r"Submitted batch job (\d+)", submitted.stdout).group(1)
     run_dir = tmp_path / "outputs" / "train" / "slurm" / job
     under_way = {"training": "checkpoints/last.ckpt", "before-training": "mlflow_run_id.txt"}
@@ -221,10 +252,13 @@ def test_sweep_jobs_run_as_slurm_jobs_whose_tasks_are_the_ranks(
 def test_optuna_trials_run_as_slurm_jobs(slurm_cluster: None, tiny_root: Path, tmp_path: Path):
     """docs/clusters.md's Optuna search on SLURM as written (2 trials)."""
     run_entry(
-        "train", *arguments(page_command("test_optuna_trials_run_as_slurm_jobs")),
-        *tiny_overrides(tiny_root), "trainer.max_epochs=1", "hydra.sweeper.n_trials=2",
+        "train",
+        *arguments(page_command("test_optuna_trials_run_as_slurm_jobs")),
+        *tiny_overrides(tiny_root),
+        "trainer.max_epochs=1",
+        "hydra.sweeper.n_trials=2",
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     runs = mlflow_runs(tmp_path / "mlflow.db")
     assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
     assert {r.data.params["world_size"] for r in runs} == {"2"}
@@ -244,9 +278,14 @@ def test_a_preempted_slurm_sweep_job_resumes_from_its_checkpoint(
     run_entry("train", *args, "logger=none", "hydra.run.dir=run", cwd=reference)
     command = [sys.executable, "-m", "src.train", "-m", "hydra/launcher=slurm", "accelerator=cpu"]
     sweep = subprocess.Popen(
-        [*command, *args], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(PROJECT)},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        [*command, *args],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     checkpoint = "outputs/train/multiruns/*/0/checkpoints/last.ckpt"
     job = None
     try:

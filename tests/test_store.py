@@ -180,11 +180,27 @@ def tls_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     folder.mkdir()
     key, certificate = folder / "key.pem", folder / "cert.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(certificate)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(certificate),
+        ],
+        check=True,
+        capture_output=True,
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -251,9 +267,12 @@ def test_records_refused_for_rights_mid_job_are_kept_and_sent_once_rights_are_ba
     give_ann(auth_server, team, "EDIT")
     ann = {CREDENTIALS[0]: "ann", CREDENTIALS[1]: USERS["ann"]}
     job = job_factory(
-        "trainer.max_epochs=3", f"logger.tracking_uri={auth_server}",
-        "logger.experiment_name=team", "logger.send_timeout_s=3", env={**slow_job_env(), **ann},
-    )  # fmt: skip
+        "trainer.max_epochs=3",
+        f"logger.tracking_uri={auth_server}",
+        "logger.experiment_name=team",
+        "logger.send_timeout_s=3",
+        env={**slow_job_env(), **ann},
+    )
     wait_for(lambda: (job.run_dir / "mlflow_run_id.txt").exists(), "the run")
     give_ann(auth_server, team, "READ")
     job.wait(timeout=300)

@@ -43,8 +43,10 @@ def test_the_report_marks_the_tasks_best_and_says_where_everything_is(
     with (sweep / "jobs.csv").open() as file:
         table = list(csv.DictReader(file))
     assert [(row["job"], row["status"], row["val/loss"]) for row in table] == [
-        ("0", "finished", "0.7"), ("1", "finished", "0.2"), ("2", "unfinished", "")
-    ]  # fmt: skip
+        ("0", "finished", "0.7"),
+        ("1", "finished", "0.2"),
+        ("2", "unfinished", ""),
+    ]
 
 
 def test_an_offline_sweep_and_one_without_mlflow(

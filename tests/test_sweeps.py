@@ -107,9 +107,16 @@ def test_failed_sweep_job_is_reported_and_the_next_runs(tiny_root: Path, tmp_pat
     (sweep / "0").mkdir(parents=True)
     (sweep / "0" / "checkpoints").write_text("a file where job 0's checkpoints should go")
     proc = run_entry(
-        "train", "-m", *sweep_overrides(tiny_root), f"hydra.sweep.dir={sweep}",
-        "model.lr=0.01,0.02", "strategy=ddp", "devices=2", cwd=tmp_path, check=False,
-    )  # fmt: skip
+        "train",
+        "-m",
+        *sweep_overrides(tiny_root),
+        f"hydra.sweep.dir={sweep}",
+        "model.lr=0.01,0.02",
+        "strategy=ddp",
+        "devices=2",
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode != 0
     assert "sweep job 0 exited with code 1" in proc.stderr
     assert f"File exists: '{sweep / '0' / 'checkpoints'}'" in proc.stderr
@@ -122,9 +129,12 @@ def test_optuna_search_trains_each_trial_on_every_rank(tiny_root: Path, tmp_path
     """docs/sweeps.md's Optuna search of DDP jobs, as written (2 trials)."""
     command = page_command("test_optuna_search_trains_each_trial_on_every_rank")
     run_entry(
-        "train", *arguments(command), *sweep_overrides(tiny_root), "hydra.sweeper.n_trials=2",
+        "train",
+        *arguments(command),
+        *sweep_overrides(tiny_root),
+        "hydra.sweeper.n_trials=2",
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     (sweep,) = sweep_folders(tmp_path)
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"  # the default: optuna.db in the launch folder
     runs = runs_by_job(tmp_path / "mlflow.db")
@@ -191,16 +201,22 @@ def test_a_sweep_killed_anywhere_run_again_ends_as_the_uninterrupted_sweep(
     random moment, then the same -m command in the same folder: every job ends as in the
     uninterrupted sweep (finished ones read back, interrupted ones resumed); run once more, it
     trains nothing."""
-    args = [*sweep_overrides(tiny_root), "strategy=ddp", "devices=1,2",
-            "callbacks.checkpoint.every_n_train_steps=4"]  # fmt: skip
+    args = [
+        *sweep_overrides(tiny_root),
+        "strategy=ddp",
+        "devices=1,2",
+        "callbacks.checkpoint.every_n_train_steps=4",
+    ]
     started = time.monotonic()
     run_entry("train", "-m", *args, "hydra.sweep.dir=reference", cwd=tmp_path)
     delay = random.uniform(0.1, 0.9) * (time.monotonic() - started)
     sweep = subprocess.Popen(
-        [sys.executable, "-m", "src.train", "-m", *args, "hydra.sweep.dir=sweep"], cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(PROJECT)}, stdout=subprocess.DEVNULL,
+        [sys.executable, "-m", "src.train", "-m", *args, "hydra.sweep.dir=sweep"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     with contextlib.suppress(subprocess.TimeoutExpired):
         sweep.wait(timeout=delay)
     kill_process_trees(sweep)
@@ -237,17 +253,23 @@ def test_a_killed_optuna_search_run_again_resumes_its_unfinished_trial(
     same folder resumes that trial in its folder from its step checkpoint, and tells the study
     the value of an uninterrupted trial."""
     # seed=7: the first trial draws data.batch_size=64, 5 steps an epoch on the tiny data.
-    args = [*sweep_overrides(tiny_root), "hparams_search=convnet_optuna", "seed=7",
-            "trainer.max_epochs=2", "callbacks.checkpoint.every_n_train_steps=2",
-            "hydra.sweeper.n_trials=1"]  # fmt: skip
+    args = [
+        *sweep_overrides(tiny_root),
+        "hparams_search=convnet_optuna",
+        "seed=7",
+        "trainer.max_epochs=2",
+        "callbacks.checkpoint.every_n_train_steps=2",
+        "hydra.sweeper.n_trials=1",
+    ]
     (tmp_path / "ref").mkdir()  # its own optuna.db
     run_entry("train", "-m", *args, "hydra.sweep.dir=reference", cwd=tmp_path / "ref")
     env = {
         "PYTHONPATH": os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)]),
         "SIGNAL_AT_STEP": "9:SIGKILL",
     }  # mid-epoch, after the step-8 checkpoint
-    killed = run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path, check=False,
-                       env=env)  # fmt: skip
+    killed = run_entry(
+        "train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path, check=False, env=env
+    )
     assert killed.returncode == -9
     again = run_entry("train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path)
     assert "trial 0 was interrupted: it resumes in its folder" in again.stdout + again.stderr
@@ -268,8 +290,15 @@ def test_a_sweep_folder_of_another_sweep_is_refused_in_one_line(
     run_entry(
         "train", "-m", *sweep_overrides(tiny_root), "seed=1", "hydra.sweep.dir=s", cwd=tmp_path
     )
-    other = run_entry("train", "-m", *sweep_overrides(tiny_root), "seed=5", "hydra.sweep.dir=s",
-                      cwd=tmp_path, check=False)  # fmt: skip
+    other = run_entry(
+        "train",
+        "-m",
+        *sweep_overrides(tiny_root),
+        "seed=5",
+        "hydra.sweep.dir=s",
+        cwd=tmp_path,
+        check=False,
+    )
     assert other.returncode != 0
     (line,) = other.stderr.strip().splitlines()
     assert "holds another sweep" in line and "seed=1" in line, line
@@ -279,8 +308,15 @@ def test_a_sweep_folder_of_another_sweep_is_refused_in_one_line(
 def test_a_k_fold_sweep_validates_on_each_fold_once_and_sums_them_up(
     tiny_root: Path, tmp_path: Path
 ) -> None:
-    run_entry("train", "-m", *sweep_overrides(tiny_root), "data.folds=3", "data.fold=0,1,2",
-              "hydra.sweep.dir=folds", cwd=tmp_path)  # fmt: skip
+    run_entry(
+        "train",
+        "-m",
+        *sweep_overrides(tiny_root),
+        "data.folds=3",
+        "data.fold=0,1,2",
+        "hydra.sweep.dir=folds",
+        cwd=tmp_path,
+    )
     metrics = [read_metrics(tmp_path / "folds" / str(job)) for job in range(3)]
     assert sum(m["val/samples"] for m in metrics) == N_TRAIN, "every training sample validates once"
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -106,14 +106,32 @@ def test_system_metrics_come_from_every_node(
     from tests.test_distributed import free_port, launch_together
 
     port = free_port()
-    train = ["-m", "src.train", *tiny_overrides(tiny_root), "trainer.max_epochs=3",
-             "strategy=ddp", "devices=1", "num_nodes=2", f"logger.tracking_uri={server_url}",
-             "logger.system_metrics_s=1", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    train = [
+        "-m",
+        "src.train",
+        *tiny_overrides(tiny_root),
+        "trainer.max_epochs=3",
+        "strategy=ddp",
+        "devices=1",
+        "num_nodes=2",
+        f"logger.tracking_uri={server_url}",
+        "logger.system_metrics_s=1",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     commands = [
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-         "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", *train]
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node-rank={node}",
+            "--nproc-per-node=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            *train,
+        ]
         for node in (0, 1)
-    ]  # fmt: skip
+    ]
     launch_together(commands, [SLOW_STEPS] * 2, cwd=tmp_path)
     keys = system_metric_keys(MlflowClient(server_url))
     for node in ("node0", "node1"):

@@ -28,8 +28,19 @@ from tests.test_sweep_report import rows
 
 REGRESSION = PROJECT / "tests" / "regression_task"  # laid out as the project: src/task/, conf/
 TASK_PATHS = ("src/task", "conf")  # all a forker edits
-LEFT_OUT = {".git", ".venv", "outputs", "data", "mlruns", "mlartifacts", "wheelhouse", "mlflow.db",
-            "optuna.db", ".pytest_cache", ".ruff_cache"}  # fmt: skip
+LEFT_OUT = {
+    ".git",
+    ".venv",
+    "outputs",
+    "data",
+    "mlruns",
+    "mlartifacts",
+    "wheelhouse",
+    "mlflow.db",
+    "optuna.db",
+    ".pytest_cache",
+    ".ruff_cache",
+}
 # conf/data/synthetic.yaml: sizes no world size of 2 or 3 divides
 N_TEST, VAL_SIZE, FEATURES = 73, 43, 8
 TINY = ["trainer.max_epochs=2", "callbacks.progress_bar=none"]
@@ -134,8 +145,7 @@ def test_two_ranks_train_as_one(project: Path, regression_run: Path) -> None:
     assert one["test/loss"] < 2.0, "it learned: the test targets' variance is 8.8"
     assert (regression_run / "figures" / "predicted_vs_target_test.png").stat().st_size > 0
     two = project / "runs" / "two-ranks"
-    run(project, "train", *TINY, "strategy=ddp", "devices=2", "logger=none",
-        f"hydra.run.dir={two}")  # fmt: skip
+    run(project, "train", *TINY, "strategy=ddp", "devices=2", "logger=none", f"hydra.run.dir={two}")
     assert_same_metrics(read_metrics(two), one)
 
 
@@ -145,8 +155,16 @@ def test_eval_on_one_and_two_ranks(project: Path, regression_run: Path) -> None:
     results = {}
     for devices in (1, 2):
         out = project / "runs" / f"eval{devices}"
-        run(project, "eval", f"ckpt_path={ckpt}", "strategy=ddp", f"devices={devices}",
-            "logger=none", "callbacks.progress_bar=none", f"hydra.run.dir={out}")  # fmt: skip
+        run(
+            project,
+            "eval",
+            f"ckpt_path={ckpt}",
+            "strategy=ddp",
+            f"devices={devices}",
+            "logger=none",
+            "callbacks.progress_bar=none",
+            f"hydra.run.dir={out}",
+        )
         results[devices] = read_metrics(out)
     assert results[1]["test/samples"] == N_TEST
     assert_same_metrics(results[2], results[1])
@@ -172,8 +190,15 @@ def test_predict_and_the_served_model_agree(project: Path, regression_run: Path)
     ``mlflow models serve``, predicts the same values."""
     out = project / "runs" / "predict"
     ckpt = best_checkpoint(regression_run)
-    run(project, "predict", f"ckpt_path={ckpt}", "strategy=ddp", "devices=2",
-        "callbacks.progress_bar=none", f"hydra.run.dir={out}")  # fmt: skip
+    run(
+        project,
+        "predict",
+        f"ckpt_path={ckpt}",
+        "strategy=ddp",
+        "devices=2",
+        "callbacks.progress_bar=none",
+        f"hydra.run.dir={out}",
+    )
     with (out / "predictions_test.csv").open() as file:
         reader = csv.DictReader(file)
         rows = list(reader)
@@ -233,9 +258,11 @@ def test_a_sweep_of_two_learning_rates(project: Path) -> None:
     )
     done = subprocess.run(
         [sys.executable, "-m", "src.register", str(sweep), "--name", "regression"],
-        cwd=project, env={**os.environ, "PYTHONPATH": str(project)}, capture_output=True,
+        cwd=project,
+        env={**os.environ, "PYTHONPATH": str(project)},
+        capture_output=True,
         text=True,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"registered regression version 1: {sweep / best} (val/loss=")
     (version,) = client.search_model_versions("name = 'regression'")

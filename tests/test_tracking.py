@@ -269,10 +269,20 @@ def browser() -> str | None:
 def page_text(url: str) -> str:
     """What a reader sees at ``url``: the MLflow UI rendered by headless Chromium, as text."""
     dom = subprocess.run(
-        [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000",
-         "--dump-dom", url],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
+        [
+            browser(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--virtual-time-budget=20000",
+            "--dump-dom",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     dom = re.sub(r"<script.*?</script>|<style.*?</style>", " ", dom, flags=re.S)
     return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom)))
 
@@ -292,8 +302,16 @@ def test_a_reviewer_sees_named_runs_and_linked_models_in_the_mlflow_ui(
     experiment = client.get_experiment_by_name("mnist").experiment_id
     model = client.search_logged_models([experiment], order_by=[{"field_name": "creation_time"}])[0]
     port = free_port()
-    argv = ["mlflow", "ui", "--host", "127.0.0.1", "--port", str(port),
-            "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]  # fmt: skip
+    argv = [
+        "mlflow",
+        "ui",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        f"sqlite:///{tmp_path / 'mlflow.db'}",
+    ]
     with mlflow_server(argv, port, tmp_path) as url:
         experiment_page = f"{url}/#/experiments/{experiment}?workflowType=machine_learning"
         runs = page_text(experiment_page)
@@ -317,10 +335,16 @@ def test_tensorboard_beside_mlflow_on_two_ranks(tiny_root: Path, tmp_path: Path)
 
     run_dir = tmp_path / "run"
     run_entry(
-        "train", *tiny_overrides(tiny_root), "trainer.max_epochs=1", "strategy=ddp", "devices=2",
-        "logger.tensorboard=true", "+logger.tags.team=vision", f"hydra.run.dir={run_dir}",
+        "train",
+        *tiny_overrides(tiny_root),
+        "trainer.max_epochs=1",
+        "strategy=ddp",
+        "devices=2",
+        "logger.tensorboard=true",
+        "+logger.tags.team=vision",
+        f"hydra.run.dir={run_dir}",
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     (events,) = run_dir.rglob("events.out.tfevents.*")
     assert events.parent == run_dir / "tensorboard"
     scalars = EventAccumulator(str(events)).Reload().Tags()["scalars"]

@@ -87,11 +87,16 @@ def test_callbacks_and_loggers_come_from_config(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_early_stopping_by_config_stops_training(tiny_root: Path, tmp_path: Path) -> None:
     run_entry(
-        "train", *tiny_overrides(tiny_root), "trainer.max_epochs=6", "logger=none",
-        "callbacks=early_stopping", "callbacks.extra.early_stopping.patience=0",
+        "train",
+        *tiny_overrides(tiny_root),
+        "trainer.max_epochs=6",
+        "logger=none",
+        "callbacks=early_stopping",
+        "callbacks.extra.early_stopping.patience=0",
         "callbacks.extra.early_stopping.min_delta=10",  # no epoch improves val/loss by 10
-        f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
-    )  # fmt: skip
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
     saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["epoch"] == 1, "stopped after the second epoch, of six"
 
@@ -108,9 +113,15 @@ def test_the_progress_bar_ends_showing_the_last_epochs_metrics(bar: type, tmp_pa
     """Not the epoch before's (Lightning#19322): the bar's metrics once training ends."""
     shown = bar()
     trainer = L.Trainer(
-        default_root_dir=tmp_path, max_epochs=3, limit_train_batches=2, limit_val_batches=1,
-        callbacks=[shown], logger=False, enable_checkpointing=False, enable_model_summary=False,
-    )  # fmt: skip
+        default_root_dir=tmp_path,
+        max_epochs=3,
+        limit_train_batches=2,
+        limit_val_batches=1,
+        callbacks=[shown],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
     displayed: list[dict] = []
     get_metrics = shown.get_metrics
     shown.get_metrics = lambda *args: displayed.append(get_metrics(*args)) or displayed[-1]

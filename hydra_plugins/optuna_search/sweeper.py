@@ -129,8 +129,10 @@ class OptunaSearch(Sweeper):
             log.info(
                 "study %s already holds %d finished trials (hydra.sweeper.n_trials=%d): nothing "
                 "to run; raise n_trials to add trials",
-                self.study_name, done, self.n_trials,
-            )  # fmt: skip
+                self.study_name,
+                done,
+                self.n_trials,
+            )
             return study.best_trial if study.get_trials(states=(TrialState.COMPLETE,)) else None
         if done:
             log.info("study %s resumed with %d finished trials", self.study_name, done)
@@ -233,8 +235,10 @@ class OptunaSearch(Sweeper):
                 log.info(
                     "trial %d: the parameters of trial %d again; its value %.6f is reused, "
                     "nothing is trained",
-                    trial.number, earlier.number, earlier.value,
-                )  # fmt: skip
+                    trial.number,
+                    earlier.number,
+                    earlier.value,
+                )
                 return True
         return False
 

@@ -89,9 +89,11 @@ class LastCheckpoint(EpochEndCheckpoint):
 
     def __init__(self, dirpath: Path, every_n_train_steps: int | None = None) -> None:
         super().__init__(
-            dirpath=dirpath, filename="last", enable_version_counter=False,
+            dirpath=dirpath,
+            filename="last",
+            enable_version_counter=False,
             save_on_train_epoch_end=True,
-        )  # fmt: skip
+        )
         self.every_n_steps = every_n_train_steps or 0
 
     def save_now(self, trainer: L.Trainer) -> None:
@@ -203,9 +205,11 @@ def check_weights_fit(
     unexpected = [key for key in found if key not in expected]
     if not (shapes or missing or unexpected):
         return
-    problem = shapes[0] if shapes else (
-        f"tensors missing: {missing[:3]}, not in this model: {unexpected[:3]}"
-    )  # fmt: skip
+    problem = (
+        shapes[0]
+        if shapes
+        else (f"tensors missing: {missing[:3]}, not in this model: {unexpected[:3]}")
+    )
     theirs, ours = flatten(saved.get("hyper_parameters", {})), flatten(hparams)
     differing = differences(theirs, ours, theirs, "model")
     hint = f"; the checkpoint was trained with {', '.join(differing)}" if differing else ""

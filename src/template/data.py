@@ -68,9 +68,12 @@ class TensorSplit(Dataset):
     """One split in memory, fetched a whole batch at a time (one vectorised index per batch)."""
 
     def __init__(
-        self, inputs: Tensor, targets: Tensor, indices: Tensor | None = None,
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        indices: Tensor | None = None,
         transform: nn.Module | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.inputs, self.targets, self.transform = inputs, targets, transform
         self.indices = torch.arange(len(inputs)) if indices is None else indices
 

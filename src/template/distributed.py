@@ -120,23 +120,44 @@ def check_devices(accelerator: str, devices: Any, num_nodes: Any) -> None:
     listed = len(devices) if indices else 0
     number = devices if is_count(devices, 1) else 0  # processes per node, where a number
     checks = (
-        (not is_count(num_nodes, 1), f"num_nodes={num_nodes} is not valid: it is the number of "
-         "machines taking part; use num_nodes=1 (this machine) or more"),
-        (not valid, f"devices={devices} is not valid: use devices=N for N processes per machine "
-         "(N >= 1, on CPU or one per GPU), devices=auto (every GPU, else 1 process) or GPU "
-         "indices such as devices=[0,1]"),
-        (accelerator in ("gpu", "cuda") and gpus == 0, f"accelerator={accelerator} but no GPU is "
-         "visible here (torch.cuda.device_count() is 0); use accelerator=cpu or accelerator=auto"),
-        (devices == -1 and not gpu, "devices=-1 means every GPU, and no GPU is used here; use "
-         "devices=N for N processes on the CPU"),
-        (indices and not gpu, f"devices={devices} lists GPU indices but no GPU is used here; use "
-         f"devices={listed} for {listed} processes on the CPU"),
-        (gpu and number > gpus, f"devices={devices} but this machine has {gpus} GPU(s); use "
-         f"devices={gpus} (and num_nodes=... for more machines) or accelerator=cpu"),
-        (not gpu and number > CPU_RANKS_PER_CORE * cores, f"devices={devices} would start "
-         f"{devices} processes on this machine's {cores} CPU core(s); use devices={cores} (one "
-         "process per core; num_nodes=... for more machines)"),
-    )  # fmt: skip
+        (
+            not is_count(num_nodes, 1),
+            f"num_nodes={num_nodes} is not valid: it is the number of "
+            "machines taking part; use num_nodes=1 (this machine) or more",
+        ),
+        (
+            not valid,
+            f"devices={devices} is not valid: use devices=N for N processes per machine "
+            "(N >= 1, on CPU or one per GPU), devices=auto (every GPU, else 1 process) or GPU "
+            "indices such as devices=[0,1]",
+        ),
+        (
+            accelerator in ("gpu", "cuda") and gpus == 0,
+            f"accelerator={accelerator} but no GPU is visible here (torch.cuda.device_count() "
+            "is 0); use accelerator=cpu or accelerator=auto",
+        ),
+        (
+            devices == -1 and not gpu,
+            "devices=-1 means every GPU, and no GPU is used here; use "
+            "devices=N for N processes on the CPU",
+        ),
+        (
+            indices and not gpu,
+            f"devices={devices} lists GPU indices but no GPU is used here; use "
+            f"devices={listed} for {listed} processes on the CPU",
+        ),
+        (
+            gpu and number > gpus,
+            f"devices={devices} but this machine has {gpus} GPU(s); use "
+            f"devices={gpus} (and num_nodes=... for more machines) or accelerator=cpu",
+        ),
+        (
+            not gpu and number > CPU_RANKS_PER_CORE * cores,
+            f"devices={devices} would start "
+            f"{devices} processes on this machine's {cores} CPU core(s); use devices={cores} (one "
+            "process per core; num_nodes=... for more machines)",
+        ),
+    )
     for refused, message in checks:
         if refused:
             raise ConfigError(message)
@@ -174,17 +195,22 @@ class LogRankSetup(Callback):
         log.info(
             "rank %d/%d (node %d, local %d) %s: backend %s, %d CPU threads, per-device batch %s, "
             "hyperparameters md5 %s",
-            trainer.global_rank, trainer.world_size, trainer.node_rank, trainer.local_rank,
+            trainer.global_rank,
+            trainer.world_size,
+            trainer.node_rank,
+            trainer.local_rank,
             getattr(stage, "value", stage),
             getattr(trainer.strategy, "process_group_backend", None) or "none",
-            torch.get_num_threads(), getattr(trainer.datamodule, "per_device_batch_size", None),
+            torch.get_num_threads(),
+            getattr(trainer.datamodule, "per_device_batch_size", None),
             hparams_digest(pl_module.hparams),
-        )  # fmt: skip
+        )
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if (value := trainer.callback_metrics.get(self.monitor)) is not None:
-            log.info("rank %d/%d: %s %.6f", trainer.global_rank, trainer.world_size, self.monitor,
-                     value)  # fmt: skip
+            log.info(
+                "rank %d/%d: %s %.6f", trainer.global_rank, trainer.world_size, self.monitor, value
+            )
 
 
 @contextmanager

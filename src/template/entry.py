@@ -25,9 +25,13 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 SET_ELSEWHERE = {f"trainer.{key}": where for key, where in SET_BY_TEMPLATE.items()}
 # Errors that mean bad input or a failed rank: shown as one line, no traceback.
 EXPECTED = (
-    data.DataError, checkpoint.CheckpointError, store.TrackingError, ConfigError,
-    shutdown.RankFailed, sweeps.SweepError,
-)  # fmt: skip
+    data.DataError,
+    checkpoint.CheckpointError,
+    store.TrackingError,
+    ConfigError,
+    shutdown.RankFailed,
+    sweeps.SweepError,
+)
 
 
 def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -> None:

@@ -49,16 +49,21 @@ def save_model(export: ModelExport, folder: Path) -> Path:
                 input_example=export.input_example,
                 pip_requirements=[*needs, "pandas"],
                 metadata={"model_type": export.model_type} if export.model_type else None,
-            )  # fmt: skip
+            )
         shutil.rmtree(folder, ignore_errors=True)
         Path(staging, MODEL_FOLDER).rename(folder)
     return folder
 
 
 def log_model(
-    tracking_uri: str, run_id: str, folder: Path, step: int, key: str, registered_name: str | None,
+    tracking_uri: str,
+    run_id: str,
+    folder: Path,
+    step: int,
+    key: str,
+    registered_name: str | None,
     metrics: Sequence[str] = (),
-) -> tuple[str, int | None]:  # fmt: skip
+) -> tuple[str, int | None]:
     """The model in ``folder`` as a LoggedModel of run ``run_id`` at ``step`` (``log_model`` needs
     a fluent run) and a version of ``registered_name``: their id and number. Sent again, a READY
     model tagged ``key`` is kept, a half-logged one replaced, and no version registered twice."""
@@ -96,24 +101,40 @@ def upload(client: Any, run: Any, folder: Path, step: int, key: str, metrics: Se
 
     run_id = run.info.run_id
     model = client.create_logged_model(
-        run.info.experiment_id, name=MODEL_NAME, source_run_id=run_id, tags={KEY_TAG: key},
-        params=run.data.params, model_type=(Model.load(folder).metadata or {}).get("model_type"),
-    )  # fmt: skip
+        run.info.experiment_id,
+        name=MODEL_NAME,
+        source_run_id=run_id,
+        tags={KEY_TAG: key},
+        params=run.data.params,
+        model_type=(Model.load(folder).metadata or {}).get("model_type"),
+    )
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=step)])
     # The final metrics (not system readings of that step), each with its split's dataset: the
     # UI lists them as the model's "Datasets used".
-    datasets = {t.value: d.dataset for d in run.inputs.dataset_inputs for t in d.tags
-                if t.key == "mlflow.data.context"}  # fmt: skip
+    datasets = {
+        t.value: d.dataset
+        for d in run.inputs.dataset_inputs
+        for t in d.tags
+        if t.key == "mlflow.data.context"
+    }
     linked = []
     for name in set(metrics) & set(run.data.metrics):
         prefix = name.split("/")[0]
         split = datasets.get(SPLIT_CONTEXTS.get(prefix, prefix))
         linked += [
-            Metric(m.key, m.value, m.timestamp, m.step, model_id=model.model_id, run_id=run_id,
-                   dataset_name=split and split.name, dataset_digest=split and split.digest)
+            Metric(
+                m.key,
+                m.value,
+                m.timestamp,
+                m.step,
+                model_id=model.model_id,
+                run_id=run_id,
+                dataset_name=split and split.name,
+                dataset_digest=split and split.digest,
+            )
             for m in client.get_metric_history(run_id, name)
             if m.step == step and m.model_id is None
-        ]  # fmt: skip
+        ]
     client.log_batch(run_id, metrics=linked)
     with tempfile.TemporaryDirectory() as staging:  # its MLmodel file names the logged model
         copy = Path(shutil.copytree(folder, Path(staging, MODEL_FOLDER)))

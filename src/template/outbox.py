@@ -112,12 +112,16 @@ def create_run(client: Any, record: dict[str, Any]) -> str:
     if (parent := tags.get("mlflow.parentRunId", "")).startswith(OFFLINE):
         tags["mlflow.parentRunId"] = created(client, exp, parent)
         if tags["mlflow.parentRunId"] is None:
-            raise LookupError(f"the sweep's parent run {parent} is not on the server yet: "
-                              "python -m src.sync <sweep folder> sends it first")  # fmt: skip
+            raise LookupError(
+                f"the sweep's parent run {parent} is not on the server yet: "
+                "python -m src.sync <sweep folder> sends it first"
+            )
     return client.create_run(
-        exp, start_time=record["start_time"], run_name=record["run_name"],
+        exp,
+        start_time=record["start_time"],
+        run_name=record["run_name"],
         tags={**tags, PLACEHOLDER_TAG: placeholder},
-    ).info.run_id  # fmt: skip
+    ).info.run_id
 
 
 def created(client: Any, experiment_id: str, placeholder: str) -> str | None:

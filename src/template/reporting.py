@@ -135,10 +135,16 @@ def show_config(cfg: DictConfig) -> None:
 # one line, that a server is unreachable or what an outage left unsent).
 QUIET_LOGS = ("lightning.pytorch.utilities.rank_zero", "urllib3.connectionpool")
 QUIET_INFO = (
-    "GPU available", "TPU available", "HPU available", "💡 Tip", "`Trainer(limit_",
-    "Trainer already configured with model summary", "Restoring states from the checkpoint",
-    "Loaded model weights from the checkpoint", "Retrying (",
-)  # fmt: skip
+    "GPU available",
+    "TPU available",
+    "HPU available",
+    "💡 Tip",
+    "`Trainer(limit_",
+    "Trainer already configured with model summary",
+    "Restoring states from the checkpoint",
+    "Loaded model weights from the checkpoint",
+    "Retrying (",
+)
 QUIET_WARNINGS = (
     # SLURM is installed here but this job is not one of its tasks: that is a choice.
     (r"The `srun` command is available on your system but is not used", UserWarning),

@@ -41,8 +41,10 @@ class StopOnSignal(Callback):
             raise KeyboardInterrupt(self.requested.name)
         log.warning(
             "rank %d: %s received: stopping after the current training step, with a checkpoint "
-            "(again to stop now)", rank_zero_only.rank, self.requested.name,
-        )  # fmt: skip
+            "(again to stop now)",
+            rank_zero_only.rank,
+            self.requested.name,
+        )
 
     def install(self) -> dict[int, Any]:
         """Handle the stop signals (in the main thread, where Python can); the handlers replaced."""
@@ -148,9 +150,12 @@ def run_lifecycle(trainer: L.Trainer) -> Iterator[None]:
 
 
 def watch_ranks(
-    procs: list[subprocess.Popen], first_rank: int, trainer: L.Trainer, every_s: float,
+    procs: list[subprocess.Popen],
+    first_rank: int,
+    trainer: L.Trainer,
+    every_s: float,
     grace_s: float,
-) -> None:  # fmt: skip
+) -> None:
     """In the launching process: once a rank dies, give rank 0 ``grace_s`` to end the job itself
     (it may be stuck in a collective), then end it: run FAILED, ranks killed, exit 1."""
 
@@ -162,8 +167,11 @@ def watch_ranks(
                 return  # stopping on request, or finished: the main thread ends the job
         time.sleep(grace_s)
         dead = "; ".join(dead_ranks(procs, first_rank, trainer.default_root_dir))
-        print(f"Error: {dead}. Rank 0 did not stop within {grace_s:g} s; ending the job.",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"Error: {dead}. Rank 0 did not stop within {grace_s:g} s; ending the job.",
+            file=sys.stderr,
+            flush=True,
+        )
         for logger in trainer.loggers:
             logger.finalize("failed")
         for proc in procs:
@@ -180,8 +188,11 @@ def watch_launcher(every_s: float) -> None:
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(every_s)
-        print(f"Error: the launching process (rank 0, pid {launcher}) is gone; rank exiting",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"Error: the launching process (rank 0, pid {launcher}) is gone; rank exiting",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="launcher-watch").start()

@@ -69,8 +69,13 @@ def summarize(cfg: DictConfig, mode: str) -> None:
                 client = MlflowClient(uri)
                 return write_summary(client, parent["run_id"], job[0], cfg.optimized_metric, mode)
             with closing(Outbox(job[0], without_password(uri))) as outbox:
-                record = encode("summarize", parent["run_id"], folder=job[0],
-                                metric=cfg.optimized_metric, mode=mode)  # fmt: skip
+                record = encode(
+                    "summarize",
+                    parent["run_id"],
+                    folder=job[0],
+                    metric=cfg.optimized_metric,
+                    mode=mode,
+                )
                 if not (outbox.pending and outbox.records[-1] == record):  # else one is queued
                     outbox.append(record)
     except Exception as error:

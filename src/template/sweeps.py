@@ -194,13 +194,15 @@ def read_jobs(folder: Path) -> list[dict[str, Any]]:
     for overrides in folder.glob("*/.hydra/overrides.yaml"):
         out = overrides.parent.parent
         metrics, run_id = out / "metrics.json", out / "mlflow_run_id.txt"
-        jobs.append({
-            "job": out.name,
-            "run_id": run_id.read_text().strip() if run_id.is_file() else "",
-            "overrides": " ".join(varied_overrides(OmegaConf.load(overrides), command)),
-            "status": "finished" if metrics.is_file() else "unfinished",
-            "metrics": json.loads(metrics.read_text()) if metrics.is_file() else {},
-        })  # fmt: skip
+        jobs.append(
+            {
+                "job": out.name,
+                "run_id": run_id.read_text().strip() if run_id.is_file() else "",
+                "overrides": " ".join(varied_overrides(OmegaConf.load(overrides), command)),
+                "status": "finished" if metrics.is_file() else "unfinished",
+                "metrics": json.loads(metrics.read_text()) if metrics.is_file() else {},
+            }
+        )
     return sorted(jobs, key=lambda j: (len(j["job"]), j["job"]))
 
 
@@ -244,8 +246,11 @@ def write_summary(client: Any, run_id: str, folder: Path, metric: str, mode: str
     tags = {"sweep.jobs": str(len(jobs)), "sweep.finished": str(len(scored))}
     values: dict[str, float] = {}
     if best := best_job(jobs, metric, mode):
-        tags |= {"best.job": best["job"], "best.run_id": best["run_id"],
-                 "best.overrides": best["overrides"] or "(none)"}  # fmt: skip
+        tags |= {
+            "best.job": best["job"],
+            "best.run_id": best["run_id"],
+            "best.overrides": best["overrides"] or "(none)",
+        }
         values[f"best/{metric}"] = best["metrics"][metric]
     groups: dict[str, list[dict[str, Any]]] = {}
     for job in scored:  # by the overrides other than the repeated ones, if it varies one
@@ -264,9 +269,10 @@ def write_summary(client: Any, run_id: str, folder: Path, metric: str, mode: str
                 values[f"{row['metric']}_{stat}"] = row[stat]
     now = int(time.time() * 1000)
     client.log_batch(
-        run_id, [Metric(k, float(v), now, 0) for k, v in values.items()],
+        run_id,
+        [Metric(k, float(v), now, 0) for k, v in values.items()],
         tags=[RunTag(k, v) for k, v in tags.items()],
-    )  # fmt: skip
+    )
     client.set_terminated(run_id, "FINISHED")  # the summary of every job ended so far
 
 
@@ -296,6 +302,15 @@ def spread(group: str, jobs: list[dict[str, Any]], keys: list[str]) -> list[dict
         if len(values) > 1:
             n, centre, sd = len(values), mean(values), stdev(values)
             half = float(t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
-            rows.append({"group": group, "metric": key, "n": n, "mean": centre, "std": sd,
-                         "ci95_low": centre - half, "ci95_high": centre + half})  # fmt: skip
+            rows.append(
+                {
+                    "group": group,
+                    "metric": key,
+                    "n": n,
+                    "mean": centre,
+                    "std": sd,
+                    "ci95_low": centre - half,
+                    "ci95_high": centre + half,
+                }
+            )
     return rows

@@ -130,9 +130,12 @@ def build_loggers(
     with as_config_error("logger.extra"):
         loggers = [instantiate(spec) for spec in cfg.logger.get("extra", {}).values()]
     if cfg.logger.get("tensorboard"):  # events in <output folder>/tensorboard/
-        loggers.insert(0, OneFileTensorBoardLogger(
-            cfg.paths.output_dir, name="tensorboard", version="", default_hp_metric=False
-        ))  # fmt: skip
+        loggers.insert(
+            0,
+            OneFileTensorBoardLogger(
+                cfg.paths.output_dir, name="tensorboard", version="", default_hp_metric=False
+            ),
+        )
     kind = cfg.logger.kind
     if kind == "csv":
         return [CSVLogger(save_dir=cfg.paths.output_dir, name="csv", version=""), *loggers]
@@ -155,10 +158,14 @@ def build_loggers(
         tags["mlflow.parentRunId"] = parent
     names = {"experiment_name": cfg.logger.experiment_name, "run_name": cfg.logger.run_name}
     logger = EpochMLFlowLogger(
-        **names, tracking_uri=uri, artifact_location=store.artifact_location(uri), tags=tags,
-        run_id=offline_run_id() if offline else continue_run, offline=offline,
+        **names,
+        tracking_uri=uri,
+        artifact_location=store.artifact_location(uri),
+        tags=tags,
+        run_id=offline_run_id() if offline else continue_run,
+        offline=offline,
         outbox_folder=Path(cfg.paths.output_dir),
-    )  # fmt: skip
+    )
     return [logger, *loggers]
 
 
@@ -375,9 +382,12 @@ def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
 
 @rank_zero_only
 def log_outcome(
-    loggers: list[Logger], datamodule: Any, output_dir: Path, best_checkpoint: str,
+    loggers: list[Logger],
+    datamodule: Any,
+    output_dir: Path,
+    best_checkpoint: str,
     figures: list[Path],
-) -> None:  # fmt: skip
+) -> None:
     """After training: the data read (as MLflow dataset inputs: split, size, digest), the config,
     metrics, best checkpoint (it loads with ``weights_only=True``) and test figures."""
     if (logger := mlflow_logger(loggers)) is None:
@@ -402,9 +412,15 @@ def log_outcome(
 
 @rank_zero_only
 def log_model(
-    loggers: list[Logger], settings: DictConfig, task: Task, model: Any, datamodule: Any,
-    output_dir: Path, step: int, metrics: Sequence[str],
-) -> None:  # fmt: skip
+    loggers: list[Logger],
+    settings: DictConfig,
+    task: Task,
+    model: Any,
+    datamodule: Any,
+    output_dir: Path,
+    step: int,
+    metrics: Sequence[str],
+) -> None:
     """The task's exported model, saved in ``model/`` and logged as the run's LoggedModel at the
     step of its final ``metrics`` (registered if ``logger.registered_model_name``). A model that
     cannot be exported costs a warning, never the job's results."""
@@ -428,18 +444,29 @@ def log_model(
     name, key = settings.get("registered_model_name"), uuid.uuid4().hex
     if logger.outbox is not None:
         logger.outbox.append(
-            encode("log_model", logger.run_id, folder=folder, step=step, key=key,
-                   registered_name=name, metrics=list(metrics))
-        )  # fmt: skip
+            encode(
+                "log_model",
+                logger.run_id,
+                folder=folder,
+                step=step,
+                key=key,
+                registered_name=name,
+                metrics=list(metrics),
+            )
+        )
         then = f" and registered as a version of {name}" if name else ""
-        print(f"MLflow model saved in {folder}; it is logged to run {logger.run_id}{then} "
-              "when the run's records are sent")  # fmt: skip
+        print(
+            f"MLflow model saved in {folder}; it is logged to run {logger.run_id}{then} "
+            "when the run's records are sent"
+        )
         return
     uri, run_id = logger.experiment.tracking_uri, logger.run_id
     model_id, version = export.log_model(uri, run_id, folder, step, key, name, metrics)
     served = f"models:/{name}/{version}" if name else f"models:/{model_id}"
-    print(f"MLflow model {served} of run {run_id}. Serve it: "
-          f"mlflow models serve -m {served} --env-manager local")  # fmt: skip
+    print(
+        f"MLflow model {served} of run {run_id}. Serve it: "
+        f"mlflow models serve -m {served} --env-manager local"
+    )
 
 
 def source_tags(source: Mapping[str, str] | None, ckpt_path: str, tracking_uri: str) -> dict:

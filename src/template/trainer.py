@@ -129,9 +129,13 @@ class RichBar(ShowsLastEpoch, RichProgressBar):
     next_update_s = 0.0
 
     def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         now = time.monotonic()
         if now >= self.next_update_s or batch_idx + 1 >= self.total_train_batches:
             self.next_update_s = now + 0.1
@@ -161,9 +165,12 @@ class NoProfiler(PassThroughProfiler):
 
 
 def build_trainer(
-    cfg: DictConfig, loggers: list[Logger], callbacks: Sequence[Callback], fitting: bool,
+    cfg: DictConfig,
+    loggers: list[Logger],
+    callbacks: Sequence[Callback],
+    fitting: bool,
     sync_batchnorm: bool = False,
-) -> L.Trainer:  # fmt: skip
+) -> L.Trainer:
     """A Trainer for ``cfg`` (checked by :func:`check_settings`): hardware from the top-level
     keys, loop settings from ``trainer``. Checkpoints are written atomically; where srun starts
     the ranks, Lightning does not requeue on SIGUSR1 (it would save mid-step and end the run):

@@ -15,11 +15,24 @@ from pathlib import Path
 
 TARGET = "src.task.model"
 COLLECTIVES = (
-    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
-    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather",
-    "gather_object", "monitored_barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-    "scatter", "scatter_object_list",
-)  # fmt: skip
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+)
 
 steps: list[list[int]] = []  # [epoch, batch_idx, collectives since that step started]
 state = {"depth": 0, "rank": None}

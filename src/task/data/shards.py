@@ -332,9 +332,13 @@ class ShardDataModule(ImageDataModule):
         settings = check_augment(self.hparams.get("augment"))
         seed = self.hparams.shuffle_seed
         sampler = PartitionedBatchSampler(
-            self.train_set, *self.world_and_rank(), self.hparams.batch_size, seed, parts,
+            self.train_set,
+            *self.world_and_rank(),
+            self.hparams.batch_size,
+            seed,
+            parts,
             tag_epoch=settings is not None,
-        )  # fmt: skip
+        )
         self.check_cache(count, sampler.mine)  # the partitions the sampler gives this rank
         sampler.resume_at(*resume_position(self.trainer))  # before any worker fetches
         data = self.train_set

@@ -9,8 +9,16 @@ from src.template.data import DataError, TensorDataModule
 
 class SyntheticDataModule(TensorDataModule):
     # What the data is: eval and predict take these from the checkpoint.
-    CONTENT_KEYS = ("name", "val_size", "split_seed", "features", "n_train", "n_test", "noise",
-                    "data_seed")  # fmt: skip
+    CONTENT_KEYS = (
+        "name",
+        "val_size",
+        "split_seed",
+        "features",
+        "n_train",
+        "n_test",
+        "noise",
+        "data_seed",
+    )
 
     def __init__(
         self,
