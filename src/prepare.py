@@ -45,7 +45,10 @@ class Encoder:
     is (``image_at.original``): training decodes it at its own size and crops or resizes it."""
 
     def __init__(self, image_at: Callable, labels: np.ndarray, fmt: str, quality: int) -> None:
-        self.image_at, self.labels, self.fmt, self.quality = image_at, labels, fmt, quality
+        self.image_at = image_at
+        self.labels = labels
+        self.fmt = fmt
+        self.quality = quality
 
     def __call__(self, i: int) -> dict[str, Any]:
         if original := getattr(self.image_at, "original", None):
@@ -66,7 +69,8 @@ def scan(
     """One pass over a split, a chunk of images at a time: each chunk checked as training checks
     the split, the split's content digest (the one the in-memory dataset logs) and its pixel
     counts (for mean/std)."""
-    md5, counts = hashlib.md5(), None
+    md5 = hashlib.md5()
+    counts = None
     for start in range(0, len(labels), chunk):
         indices = range(start, min(start + chunk, len(labels)))
         images = read_images(image_at, indices)

@@ -150,3 +150,17 @@ def test_make_it_yours_documents_every_machinery_name_the_task_uses() -> None:
     contract = {"read", "check", "transform", "read_checked", "load_train", "load_test"}
     contract |= {"world_and_rank", "loader", "eval_loader", "train_dataloader"}
     assert not {name for name in imported | contract if f"`{name}" not in page}
+
+
+def test_one_assignment_per_line() -> None:
+    """``a, b = x, y`` packs two statements into one line to save a line; the code reads better
+    one name at a time (unpacking a function's tuple, ``a, b = f()``, is not this)."""
+    packed = [
+        f"{path.relative_to(PROJECT)}:{node.lineno}"
+        for path in SOURCES.values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Tuple)
+        and isinstance(node.value, ast.Tuple)
+    ]
+    assert not packed, f"split these into one assignment each: {packed}"

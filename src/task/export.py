@@ -21,7 +21,8 @@ class RawImageClassifier(nn.Module):
 
     def __init__(self, net: nn.Module, normalize: Normalize) -> None:
         super().__init__()
-        self.net, self.normalize = net, normalize
+        self.net = net
+        self.normalize = normalize
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probabilities = self.net(self.normalize(images)).softmax(dim=1)

@@ -18,7 +18,8 @@ def predictions(
     columns: Mapping[str, Tensor], data: ImageDataModule
 ) -> tuple[dict[str, Sequence], dict[str, float]]:
     """The CSV's columns (index, label, predicted, class_name, confidence) and predict metrics."""
-    predicted, label = columns["predicted"], columns["label"]
+    predicted = columns["predicted"]
+    label = columns["label"]
     table = {
         "index": columns["index"].tolist(),
         "label": label.tolist(),
@@ -39,7 +40,8 @@ def figures(model: L.LightningModule, data: ImageDataModule, out_dir: Path) -> l
     Rank 0 runs the (best) model over the test split once more, outside the DDP wrapper:
     seconds on a CPU, and it keeps figure-making out of the training loop.
     """
-    dataset, classes = data.test_set, data.classes
+    dataset = data.test_set
+    classes = data.classes
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed

@@ -24,7 +24,8 @@ class ImageClassifierModel(PythonModel):
     def load_context(self, context: Any) -> None:
         self.program = torch.export.load(context.artifacts["program"]).module()
         labels = json.loads(Path(context.artifacts["metadata"]).read_text())
-        self.classes, self.image_shape = labels["classes"], tuple(labels["image_shape"])
+        self.classes = labels["classes"]
+        self.image_shape = tuple(labels["image_shape"])
 
     # np.ndarray: a type hint MLflow infers no schema from; the signature (src.task.export)
     # says what the model takes, and MLflow checks inputs against it.

@@ -61,7 +61,8 @@ class BestCheckpoint(EpochEndCheckpoint):
     are copied there and tracked as if written there (Lightning would forget them)."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        old, new = state_dict.get("dirpath"), self.dirpath
+        old = state_dict.get("dirpath")
+        new = self.dirpath
         best = state_dict.get("best_k_models", {})
         if old and new and old != new and all(Path(path).is_file() for path in best):
             moved = {path: str(Path(new) / Path(path).name) for path in best}
@@ -100,7 +101,8 @@ class LastCheckpoint(EpochEndCheckpoint):
         trainer.save_checkpoint(Path(self.dirpath) / "last.ckpt", weights_only=False)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        step, every = trainer.global_step, self.every_n_steps
+        step = trainer.global_step
+        every = self.every_n_steps
         due = (every > 0 and step % every == 0) or step == trainer.max_steps
         if due and not epoch_finished(trainer):
             self.save_now(trainer)
@@ -164,7 +166,8 @@ def check_fits(
     saved: Mapping[str, Any], model: L.LightningModule, datamodule: Any, path: str
 ) -> None:
     """Refuse to resume from a checkpoint of other data, another network or weights only."""
-    name, keys = Path(path).name, ("name", *type(datamodule).CONTENT_KEYS)
+    name = Path(path).name
+    keys = ("name", *type(datamodule).CONTENT_KEYS)
     check_same_data(saved, datamodule.hparams, keys, name, "resume with the same data settings")
     datamodule.load_state_dict(saved.get(type(datamodule).__qualname__, {}))  # same classes
     check_weights_fit(saved, model.state_dict(), name, model.hparams)
@@ -210,7 +213,8 @@ def check_weights_fit(
         if shapes
         else (f"tensors missing: {missing[:3]}, not in this model: {unexpected[:3]}")
     )
-    theirs, ours = flatten(saved.get("hyper_parameters", {})), flatten(hparams)
+    theirs = flatten(saved.get("hyper_parameters", {}))
+    ours = flatten(hparams)
     differing = differences(theirs, ours, theirs, "model")
     hint = f"; the checkpoint was trained with {', '.join(differing)}" if differing else ""
     raise CheckpointError(f"{name} does not fit this model: {problem}{hint}")
@@ -360,7 +364,10 @@ def model_from_checkpoint(saved: Mapping[str, Any], name: str, task: Task) -> L.
     """The model rebuilt from the checkpoint's hyperparameters, new keys at today's defaults; keys
     unknown or lacking are refused by name (``load_from_checkpoint`` would name tensors)."""
     hparams = dict(saved.get("hyper_parameters", {}))
-    unknown, missing, defaulted, empty = [], [], [], inspect.Parameter.empty
+    unknown = []
+    missing = []
+    defaulted = []
+    empty = inspect.Parameter.empty
     for section, (target, set_by_data) in task.config_targets(hparams).items():
         values = OmegaConf.select(OmegaConf.create({"model": hparams}), section) or {}
         prefix = f"{section}.".removeprefix("model.")  # model.net -> net.

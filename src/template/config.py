@@ -43,7 +43,8 @@ def describe_config_error(error: Exception, set_by: Mapping[str, str] | None = N
             return f"{key} is set from {set_by[key]}; remove {key}"
         # The first key of the path that is not there: mdoel in mdoel.lr, lrr in model.lrr.
         missing = getattr(error.__cause__, "full_key", None) or key
-        section, rest = missing.rpartition(".")[0], key.removeprefix(missing)
+        section = missing.rpartition(".")[0]
+        rest = key.removeprefix(missing)
         where = f"{section} has" if section else "top-level keys are"
         keys = ", ".join(sorted(str(k) for k in parent))
         near = suggest(missing, parent.keys(), section, rest)

@@ -74,7 +74,9 @@ class TensorSplit(Dataset):
         indices: Tensor | None = None,
         transform: nn.Module | None = None,
     ) -> None:
-        self.inputs, self.targets, self.transform = inputs, targets, transform
+        self.inputs = inputs
+        self.targets = targets
+        self.transform = transform
         self.indices = torch.arange(len(inputs)) if indices is None else indices
 
     def __len__(self) -> int:
@@ -89,7 +91,8 @@ class TensorSplit(Dataset):
     def to(self, device: torch.device) -> "TensorSplit":
         """A copy on ``device``; the original stays for digests and figures."""
         moved = copy.copy(self)
-        moved.inputs, moved.targets = self.inputs.to(device), self.targets.to(device)
+        moved.inputs = self.inputs.to(device)
+        moved.targets = self.targets.to(device)
         moved.indices = self.indices.to(device)
         moved.transform = copy.deepcopy(self.transform).to(device) if self.transform else None
         return moved
@@ -132,7 +135,9 @@ def carve_validation(n: int, hparams: Any) -> tuple[Tensor, Tensor]:
     training keeps the read rows in place (:func:`drop_rows`). Sizes that do not fit are
     refused with ones that do."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(hparams.split_seed))
-    folds, fold, val_size = hparams.get("folds"), hparams.get("fold") or 0, hparams.val_size
+    folds = hparams.get("folds")
+    fold = hparams.get("fold") or 0
+    val_size = hparams.val_size
     if not folds and not 0 < val_size < n:
         val = max(1, n // 10)  # suggested, with a batch size that fits what it leaves
         fix = f"; use e.g. data.val_size={val}" if n > 1 else ""
@@ -148,7 +153,8 @@ def carve_validation(n: int, hparams: Any) -> tuple[Tensor, Tensor]:
             f"data.folds={folds} data.fold={fold}: use 2 <= folds <= {n} and 0 <= fold < folds, "
             "e.g. data.folds=5 data.fold=0,1,2,3,4 (a sweep)"
         )
-    start, end = n * fold // folds, n * (fold + 1) // folds
+    start = n * fold // folds
+    end = n * (fold + 1) // folds
     return perm[start:end].sort().values, torch.cat([perm[:start], perm[end:]]).sort().values
 
 

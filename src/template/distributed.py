@@ -75,7 +75,8 @@ class WatchedDDPStrategy(DDPStrategy):
 
     def __init__(self, watch_s: float, exit_grace_s: float, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.watch_s, self.exit_grace_s = watch_s, exit_grace_s
+        self.watch_s = watch_s
+        self.exit_grace_s = exit_grace_s
         self.watching_launcher = False  # in a rank process: the launcher-watch thread runs
 
     def _configure_launcher(self) -> None:  # Lightning's: the launcher for start_method="popen"
@@ -91,7 +92,9 @@ class WatchedLauncher(SubprocessScriptLauncher):
         self.strategy = strategy
 
     def launch(self, function: Any, *args: Any, trainer: L.Trainer | None = None, **kw: Any) -> Any:
-        env, strategy, me = self.cluster_environment, self.strategy, str(os.getpid())
+        env = self.cluster_environment
+        strategy = self.strategy
+        me = str(os.getpid())
         env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not env.creates_processes_externally:
             os.environ[LAUNCHER_PID_ENV] = me  # inherited by the rank processes
@@ -108,7 +111,8 @@ class WatchedLauncher(SubprocessScriptLauncher):
 def check_devices(accelerator: str, devices: Any, num_nodes: Any) -> None:
     """Refuse in this project's words (Lightning's errors name its internals) device and node
     counts Lightning cannot take, more GPUs than there are, more CPU ranks than cores can run."""
-    gpu, gpus = uses_gpu(accelerator), torch.cuda.device_count()
+    gpu = uses_gpu(accelerator)
+    gpus = torch.cuda.device_count()
     # This process's CPU affinity, or the node's cores where torchrun or srun bound each rank.
     affinity = external_rank() is None and hasattr(os, "sched_getaffinity")
     cores = len(os.sched_getaffinity(0)) if affinity else os.cpu_count() or 1
@@ -217,7 +221,9 @@ class LogRankSetup(Callback):
 def job_scope() -> Iterator[None]:
     """Leave no process group, environment (MASTER_ADDR, ...) or thread count to a sweep's next
     job. Ranks N>0 that torchrun or srun started write ``<task>_rank<N>.log``, not Hydra's log."""
-    threads, environment, root = torch.get_num_threads(), dict(os.environ), logging.getLogger()
+    threads = torch.get_num_threads()
+    environment = dict(os.environ)
+    root = logging.getLogger()
     rank = external_rank()
     for handler in [h for h in root.handlers if rank and isinstance(h, logging.FileHandler)]:
         path = Path(handler.baseFilename)

@@ -139,7 +139,9 @@ def upload(client: Any, run: Any, folder: Path, step: int, key: str, metrics: Se
     with tempfile.TemporaryDirectory() as staging:  # its MLmodel file names the logged model
         copy = Path(shutil.copytree(folder, Path(staging, MODEL_FOLDER)))
         saved = Model.load(copy)
-        saved.model_id, saved.model_uuid, saved.run_id = model.model_id, model.model_id, run_id
+        saved.model_id = model.model_id
+        saved.model_uuid = model.model_id
+        saved.run_id = run_id
         saved.artifact_path = model.artifact_location
         saved.save(copy / "MLmodel")
         client.log_model_artifacts(model.model_id, str(copy))

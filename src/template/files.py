@@ -38,7 +38,8 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 def copy_atomically(source: Path, target: Path) -> None:
     """``source`` to ``target`` unless already copied (same size and time, as copystat keeps)."""
-    old, new = source.stat(), target.stat() if target.is_file() else None
+    old = source.stat()
+    new = target.stat() if target.is_file() else None
     if new and (old.st_size, old.st_mtime_ns) == (new.st_size, new.st_mtime_ns):
         return
     with source.open("rb") as file:
@@ -48,7 +49,8 @@ def copy_atomically(source: Path, target: Path) -> None:
 
 def missing_folders(folder: Path) -> list[Path]:
     """``folder`` and those of its parents that do not exist, innermost first."""
-    missing, current = [], Path(os.path.abspath(folder))
+    missing = []
+    current = Path(os.path.abspath(folder))
     while not current.exists() and current != current.parent:
         missing.append(current)
         current = current.parent

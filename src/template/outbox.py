@@ -83,7 +83,8 @@ def send(client: Any, record: dict[str, Any]) -> None:
     """Make the client call a record stands for."""
     from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 
-    method, run_id = record["method"], record["run_id"]
+    method = record["method"]
+    run_id = record["run_id"]
     if method in KINDS:
         arguments, send_kind = KINDS[method]
         send_kind(client, run_id, **{key: record[key] for key in arguments if key in record})
@@ -104,7 +105,9 @@ def create_run(client: Any, record: dict[str, Any]) -> str:
     """The id of the run an offline job's ``create_run`` record stands for: made by an earlier
     sync (found by its placeholder tag), else now; an offline sweep job's under the parent run
     that syncing its sweep folder made first."""
-    name, placeholder, tags = record["experiment_name"], record["run_id"], dict(record["tags"])
+    name = record["experiment_name"]
+    placeholder = record["run_id"]
+    tags = dict(record["tags"])
     known = client.get_experiment_by_name(name)
     exp = known.experiment_id if known else client.create_experiment(name, tags=EXPERIMENT_TAGS)
     if found := created(client, exp, placeholder):
@@ -135,7 +138,8 @@ class Outbox:
     holds a lock on the file until it closes it (or dies): one sender at a time."""
 
     def __init__(self, folder: Path, tracking_uri: str | None = None, name: str = OUTBOX) -> None:
-        self.path, self.sent_path = folder / f"{name}.jsonl", folder / f"{name}.sent"
+        self.path = folder / f"{name}.jsonl"
+        self.sent_path = folder / f"{name}.sent"
         if tracking_uri is None and not self.path.is_file():
             raise FileNotFoundError(f"{self.path} does not exist: nothing was queued there")
         self.file = self.path.open("a+", encoding="utf-8")
@@ -220,7 +224,8 @@ class Sender(threading.Thread):
 
     def __init__(self, outbox: Outbox, client: Any) -> None:
         super().__init__(daemon=True, name="mlflow-outbox")
-        self.outbox, self.client = outbox, client
+        self.outbox = outbox
+        self.client = client
         self.stopping = threading.Event()
         self.last_error: Exception | None = None
 
@@ -233,7 +238,8 @@ class Sender(threading.Thread):
                     continue
             try:
                 self.outbox.send_next(self.client)
-                backoff, self.last_error = 1.0, None
+                backoff = 1.0
+                self.last_error = None
             except Exception as error:  # the server is away: keep the record, try again
                 if refused_for_rights(error) and not refused_for_rights(self.last_error):
                     log.warning(
@@ -257,7 +263,8 @@ class OutboxClient:
     """An ``MlflowClient`` whose writes to the run go through the outbox; reads go to the server."""
 
     def __init__(self, client: Any, outbox: Outbox) -> None:
-        self._client, self._outbox = client, outbox
+        self._client = client
+        self._outbox = outbox
 
     def __getattr__(self, name: str) -> Any:
         if name not in WRITES:

@@ -26,7 +26,8 @@ from rich.table import Table
 from src.template.sweeps import JOB_FILE, in_multirun, sweep_overrides
 from src.template.task import Task
 
-console, errors = Console(), Console(stderr=True)
+console = Console()
+errors = Console(stderr=True)
 
 
 @contextmanager
@@ -81,9 +82,11 @@ class CheckOutputFolder(HydraCallback):
 
 def check_writable(folder: Path) -> Path | None:
     """Exit with one line if ``folder`` cannot be created; else the top-most folder it adds."""
-    created, existing = None, folder.absolute()
+    created = None
+    existing = folder.absolute()
     while not existing.exists():
-        created, existing = existing, existing.parent
+        created = existing
+        existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         problem = "is not writable" if existing.is_dir() else "is a file"
         show_error(
@@ -203,7 +206,9 @@ class PredictionWriter(BasePredictionWriter):
 
     def __init__(self, path: Path, columns: Callable | None, datamodule: Any) -> None:
         super().__init__(write_interval="epoch")
-        self.path, self.columns, self.datamodule = path, columns, datamodule
+        self.path = path
+        self.columns = columns
+        self.datamodule = datamodule
         self.metrics: dict[str, float] = {}
 
     def write_on_epoch_end(

@@ -36,13 +36,15 @@ class GlobalBatchSampler(DistributedSampler):
             )
         self.num_samples = self.num_batches * self.local_batch_size
         self.total_size = self.num_batches * global_batch_size
-        self.resume_epoch, self.batches_done = 0, 0
+        self.resume_epoch = 0
+        self.batches_done = 0
 
     def resume_at(self, epoch: int, batches_done: int) -> None:
         """Start at ``epoch``, whose first ``batches_done`` global batches were trained (set when
         the loader is built: workers prefetch before Lightning calls ``set_epoch``)."""
         self.set_epoch(epoch)
-        self.resume_epoch, self.batches_done = epoch, batches_done
+        self.resume_epoch = epoch
+        self.batches_done = batches_done
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)

@@ -36,7 +36,8 @@ class StopOnSignal(Callback):
         self._deferring = False  # while training: stop at the next agreed step
 
     def handle(self, signum: int, frame: Any) -> None:
-        first, self.requested = self.requested is None, signal.Signals(signum)
+        first = self.requested is None
+        self.requested = signal.Signals(signum)
         if not (first and self._deferring):
             raise KeyboardInterrupt(self.requested.name)
         log.warning(

@@ -24,7 +24,8 @@ URL_CREDENTIALS = re.compile(r"(\w+://[^/:@\s]+):[^@\s]+@")
 # Where MLflow's client reads a server's basic-auth account (docs/mlflow.md).
 CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 # MLflow 3's experiment kind for model training (its 3.17 UI ignores it yet, mlflow/mlflow#24498)
-EXPERIMENT_KIND, TRAINING = "mlflow.experimentKind", "custom_model_development"
+EXPERIMENT_KIND = "mlflow.experimentKind"
+TRAINING = "custom_model_development"
 EXPERIMENT_TAGS = {EXPERIMENT_KIND: TRAINING}
 # Where MLflow's client reads the CA certificate of a TLS server (docs/mlflow.md).
 CERTIFICATE = "MLFLOW_TRACKING_SERVER_CERT_PATH"

@@ -24,7 +24,8 @@ def parent_run(cfg: DictConfig) -> str | None:
         return None
     from mlflow import MlflowClient
 
-    folder, uri = job[0], cfg.logger.tracking_uri
+    folder = job[0]
+    uri = cfg.logger.tracking_uri
     with locked(folder):
         path = folder / PARENT_FILE
         saved = json.loads(path.read_text()) if path.is_file() else {}
@@ -37,7 +38,8 @@ def parent_run(cfg: DictConfig) -> str | None:
         }
         saved: dict[str, str] = {"tracking_uri": without_password(uri)}
         if cfg.logger.get("offline"):  # a record for src.sync, as an offline job's own run is
-            run_id, name = offline_run_id(), cfg.logger.experiment_name
+            run_id = offline_run_id()
+            name = cfg.logger.experiment_name
             with closing(Outbox(folder, without_password(uri))) as outbox:
                 outbox.append(encode("create_run", run_id, experiment_name=name, **run))
         else:
@@ -60,7 +62,8 @@ def summarize(cfg: DictConfig, mode: str) -> None:
         return
     from mlflow import MlflowClient
 
-    parent, uri = json.loads((job[0] / PARENT_FILE).read_text()), cfg.logger.tracking_uri
+    parent = json.loads((job[0] / PARENT_FILE).read_text())
+    uri = cfg.logger.tracking_uri
     if parent["tracking_uri"] != without_password(uri):
         return  # this job logged to another store
     try:

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 SWEEP_JOB_ENV = "TEMPLATE_SWEEP_JOB"  # "<sweep folder>/<job number>" for a sweep's DDP job
 JOB_FILE = "job.json"  # in a job's folder: its overrides, and its result once done
-JOBS_FILE, SEEDS_FILE = "jobs.csv", "seeds.csv"  # the summary's tables: every job; their spread
+JOBS_FILE = "jobs.csv"
+SEEDS_FILE = "seeds.csv"  # the summary's tables: every job; their spread
 FIELDS = ("job", "run_id", "overrides", "status")  # of a job, before its metrics
 REPEATS = ("seed=", "fold=")  # jobs that differ only in these repeat one experiment
 
@@ -190,10 +191,12 @@ def register_resolvers() -> None:
 def read_jobs(folder: Path) -> list[dict[str, Any]]:
     """Each job of the sweep folder, in order: its number, run, varied overrides, status and
     metrics."""
-    command, jobs = sweep_overrides(folder), []
+    command = sweep_overrides(folder)
+    jobs = []
     for overrides in folder.glob("*/.hydra/overrides.yaml"):
         out = overrides.parent.parent
-        metrics, run_id = out / "metrics.json", out / "mlflow_run_id.txt"
+        metrics = out / "metrics.json"
+        run_id = out / "mlflow_run_id.txt"
         jobs.append(
             {
                 "job": out.name,
@@ -300,7 +303,9 @@ def spread(group: str, jobs: list[dict[str, Any]], keys: list[str]) -> list[dict
     for key in keys:
         values = [job["metrics"][key] for job in jobs if key in job["metrics"]]
         if len(values) > 1:
-            n, centre, sd = len(values), mean(values), stdev(values)
+            n = len(values)
+            centre = mean(values)
+            sd = stdev(values)
             half = float(t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
             rows.append(
                 {

@@ -29,8 +29,13 @@ class Sampler(threading.Thread):
         self, every_s: float, prefix: str, client: Any, run_id: str, first_step: int, uri: str
     ) -> None:
         super().__init__(daemon=True, name="system-metrics")
-        self.every_s, self.prefix, self.client, self.run_id = every_s, prefix, client, run_id
-        self.step, self.uri, self.failed = first_step, uri, False
+        self.every_s = every_s
+        self.prefix = prefix
+        self.client = client
+        self.run_id = run_id
+        self.step = first_step
+        self.uri = uri
+        self.failed = False
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -39,7 +44,8 @@ class Sampler(threading.Thread):
         # Its samplers only; not its INFO lines ("Skip logging GPU metrics" on a CPU machine).
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
         source = SystemMetricsMonitor("", sampling_interval=self.every_s, tracking_uri=self.uri)
-        wait, stopped = min(FIRST_READING_S, self.every_s), False
+        wait = min(FIRST_READING_S, self.every_s)
+        stopped = False
         source.collect_metrics()  # psutil's first CPU reading is always 0: not one to write
         while not stopped:
             for monitor in source.monitors:
@@ -47,7 +53,8 @@ class Sampler(threading.Thread):
             stopped = self.stopping.wait(wait)
             source.collect_metrics()
             self.write(source.aggregate_metrics())
-            self.step, wait = self.step + 1, self.every_s
+            self.step = self.step + 1
+            wait = self.every_s
 
     def write(self, readings: dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -67,8 +74,11 @@ class SystemMetrics(Callback):
     with several nodes), into rank 0's run; with SQLite (no writers elsewhere), rank 0's only."""
 
     def __init__(self, logger: Any, settings: DictConfig, folder: Path) -> None:
-        self.logger, self.folder, self.tracking_uri = logger, folder, settings.tracking_uri
-        self.every_s, self.settings = settings.system_metrics_s, settings
+        self.logger = logger
+        self.folder = folder
+        self.tracking_uri = settings.tracking_uri
+        self.every_s = settings.system_metrics_s
+        self.settings = settings
         self.every_node = not sqlite_file(self.tracking_uri)
         self.sampler: Sampler | None = None
         self.outbox: Outbox | None = None  # node k > 0 against a server: its own

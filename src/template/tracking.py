@@ -143,7 +143,8 @@ def build_loggers(
         raise ValueError(f"logger.kind={kind!r} is not one of mlflow, csv, none")
     if kind == "none" or not store.talks_to_store(cfg):
         return loggers
-    uri, offline = cfg.logger.tracking_uri, bool(cfg.logger.get("offline"))
+    uri = cfg.logger.tracking_uri
+    offline = bool(cfg.logger.get("offline"))
     if offline and sqlite_file(uri):
         raise TrackingError(
             "logger.offline=true is for an MLflow server (logger.tracking_uri=http://...); "
@@ -186,7 +187,8 @@ def run_tags(cfg: DictConfig) -> dict[str, str]:
     }
     tags["hydra.overrides"] = tags["hydra.overrides"] or "(none)"
     if job := sweep_job():
-        tags["sweep.id"], tags["sweep.job"] = job[0].name, job[1]
+        tags["sweep.id"] = job[0].name
+        tags["sweep.job"] = job[1]
     return tags
 
 
@@ -215,8 +217,10 @@ def run_to_continue(
     checkpoint yet, the run a job in this output folder opened (it stopped before one)."""
     if cfg.logger.kind != "mlflow" or cfg.logger.get("offline"):
         return None  # an offline placeholder's run does not exist on the server yet
-    uri, named = cfg.logger.tracking_uri, cfg.logger.get("run_id")
-    opened, here = Path(cfg.paths.output_dir, RUN_ID_FILE), without_password(uri)
+    uri = cfg.logger.tracking_uri
+    named = cfg.logger.get("run_id")
+    opened = Path(cfg.paths.output_dir, RUN_ID_FILE)
+    here = without_password(uri)
     if not named:
         source = (saved or {}).get("mlflow")
         if auto and not saved and opened.is_file():
@@ -322,10 +326,13 @@ def log_params(logger: MLFlowLogger, params: Mapping[str, Any]) -> None:
     first job (params, tags) goes into ``resume.<n>.`` tags."""
     from mlflow.entities import Param, RunTag
 
-    client, run_id, tags = logger.experiment, logger.run_id, {}
+    client = logger.experiment
+    run_id = logger.run_id
+    tags = {}
     if getattr(logger, "continued", False):
         run = client.get_run(run_id)
-        old, count = run.data.params, int(run.data.tags.get("resume.count", "0")) + 1
+        old = run.data.params
+        count = int(run.data.tags.get("resume.count", "0")) + 1
         changed = [
             f"{k}: {old[k]} -> {v}" for k, v in params.items() if old.get(k, str(v)) != str(v)
         ]
@@ -441,7 +448,8 @@ def log_model(
             "logger.log_model=false skips this step"
         )
         return
-    name, key = settings.get("registered_model_name"), uuid.uuid4().hex
+    name = settings.get("registered_model_name")
+    key = uuid.uuid4().hex
     if logger.outbox is not None:
         logger.outbox.append(
             encode(
@@ -460,7 +468,8 @@ def log_model(
             "when the run's records are sent"
         )
         return
-    uri, run_id = logger.experiment.tracking_uri, logger.run_id
+    uri = logger.experiment.tracking_uri
+    run_id = logger.run_id
     model_id, version = export.log_model(uri, run_id, folder, step, key, name, metrics)
     served = f"models:/{name}/{version}" if name else f"models:/{model_id}"
     print(
@@ -494,7 +503,8 @@ def attach_to_source_run(source: Mapping[str, str] | None, path: Path, folder: s
 
 def callbacks(loggers: list[Logger], cfg: DictConfig) -> list[Callback]:
     """On rank 0, the run's bookkeeping; on every rank, system metrics (one sampler per node)."""
-    logger, uri = mlflow_logger(loggers), cfg.logger.get("tracking_uri", "")
+    logger = mlflow_logger(loggers)
+    uri = cfg.logger.get("tracking_uri", "")
     found: list[Callback] = [RunBookkeeping(logger, uri)] if logger else []
     if cfg.logger.kind == "mlflow" and cfg.logger.system_metrics_s and not cfg.logger.offline:
         found.append(SystemMetrics(logger, cfg.logger, Path(cfg.paths.output_dir)))
@@ -506,7 +516,8 @@ class RunBookkeeping(Callback):
     logger when ``max_steps`` cut an epoch short (Lightning still logs its end)."""
 
     def __init__(self, logger: MLFlowLogger, tracking_uri: str) -> None:
-        self.logger, self.tracking_uri = logger, tracking_uri
+        self.logger = logger
+        self.tracking_uri = tracking_uri
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.logger.cut_epoch = None if epoch_finished(trainer) else trainer.current_epoch

@@ -147,7 +147,8 @@ class ModelSummaryFile(Callback):
     console: rank 0, at the start of fitting."""
 
     def __init__(self, path: Path, max_depth: int) -> None:
-        self.path, self.max_depth = path, max_depth
+        self.path = path
+        self.max_depth = max_depth
 
     @rank_zero_only
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -177,7 +178,8 @@ def build_trainer(
     :class:`StopOnSignal` checkpoints and ``slurm/train.sbatch`` requeues."""
     processes = requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)
     srun = [SLURMEnvironment(auto_requeue=False)] if srun_starts_ranks(processes) else []
-    strategy, ddp = cfg.strategy.name, cfg.strategy  # ddp, or auto for several: watched DDP
+    strategy = cfg.strategy.name
+    ddp = cfg.strategy  # ddp, or auto for several: watched DDP
     if strategy == "ddp" or (strategy == "auto" and processes > 1):
         strategy = WatchedDDPStrategy(
             watch_s=ddp.watch_s,

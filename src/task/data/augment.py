@@ -64,7 +64,10 @@ def augment_one(
         return low + (high - low) * float(torch.rand((), generator=generator))
 
     channels, height, width = image.shape
-    top, left, h, w = 0, 0, height, width
+    top = 0
+    left = 0
+    h = height
+    w = width
     scale = settings.get("crop_scale")
     if scale is not None:
         ratio = settings.get("crop_ratio") or (3 / 4, 4 / 3)
@@ -109,7 +112,9 @@ class AugmentedSplit(Dataset):
         std: Sequence[float],
         image_shape: Sequence[int],
     ) -> None:
-        self.split, self.settings, self.seed = split, settings, seed
+        self.split = split
+        self.settings = settings
+        self.seed = seed
         self.shape = tuple(image_shape)
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)

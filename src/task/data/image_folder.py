@@ -55,7 +55,8 @@ def decode(path: Path, channels: int, size: Sequence[int] | None) -> np.ndarray:
 def listing(split_dir: Path, classes: Sequence[str]) -> tuple[list[str], Tensor]:
     """The split's image files in (class, file name) order and their labels: a sample's index
     is stable as long as the folder does not change."""
-    files, labels = [], []
+    files = []
+    labels = []
     for label, name in enumerate(classes):
         found = image_files(split_dir / name)
         files += [str(path) for path in found]
@@ -68,7 +69,9 @@ class FileImages:
     ``original(i)``: its file's bytes, which src.prepare stores as they are (own size)."""
 
     def __init__(self, files: list[str], channels: int, size: tuple[int, int]) -> None:
-        self.files, self.channels, self.size = files, channels, size
+        self.files = files
+        self.channels = channels
+        self.size = size
 
     def __call__(self, i: int) -> np.ndarray:
         return decode(Path(self.files[i]), self.channels, self.size)

@@ -84,7 +84,8 @@ def channel_statistics(counts: Tensor) -> tuple[tuple[float, ...], tuple[float, 
     :func:`pixel_counts`, exact up to the final division; std at least 1e-6."""
     levels = torch.arange(256, dtype=torch.long)
     n = int(counts[0].sum())
-    total, squares = (counts * levels).sum(dim=1).tolist(), (counts * levels**2).sum(dim=1).tolist()
+    total = (counts * levels).sum(dim=1).tolist()
+    squares = (counts * levels**2).sum(dim=1).tolist()
     mean = tuple(s / n / 255 for s in total)
     variance = [(n * q - s * s) / (n * max(n - 1, 1)) for s, q in zip(total, squares, strict=True)]
     return mean, tuple(max(v**0.5 / 255, 1e-6) for v in variance)
@@ -158,4 +159,5 @@ class ImageDataModule(TensorDataModule):
                 f"{self.source} has classes {list(self.classes)} but the model was trained on "
                 f"{list(trained)}; use data that has the same classes"
             )
-        self.mean, self.std = state_dict.get("mean", self.mean), state_dict.get("std", self.std)
+        self.mean = state_dict.get("mean", self.mean)
+        self.std = state_dict.get("std", self.std)

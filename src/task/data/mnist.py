@@ -99,7 +99,8 @@ def read_idx(path: Path, expected_ndim: int) -> np.ndarray:
     if len(data) < header:
         raise DataError(f"{path}: truncated IDX header ({len(data)} bytes, need {header})")
     dims = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=expected_ndim, offset=4))
-    expected, actual = int(np.prod(dims)), len(data) - header
+    expected = int(np.prod(dims))
+    actual = len(data) - header
     if actual != expected:
         raise DataError(
             f"{path}: payload for dims {dims} should be {expected} bytes, found {actual} "
@@ -145,7 +146,8 @@ def load_split(root: Path, spec: DatasetSpec, train: bool) -> tuple[Tensor, Tens
     label_file = _find(raw, f"{prefix}-labels-idx1-ubyte")
     if image_file is None or label_file is None:
         raise DataError(_offline_message(raw, download=False))
-    images, labels = read_idx(image_file, 3), read_idx(label_file, 1)
+    images = read_idx(image_file, 3)
+    labels = read_idx(label_file, 1)
     if images.shape[1:] != (28, 28):
         raise DataError(f"{image_file}: images are {images.shape[1:]}, expected 28x28")
     if len(images) != len(labels):
@@ -245,7 +247,8 @@ class MNISTDataModule(ImageDataModule):
         self.root = Path(root).expanduser()
         self.image_shape = (1, 28, 28)
         self.classes = self.spec.classes
-        self.mean, self.std = (self.spec.mean,), (self.spec.std,)
+        self.mean = (self.spec.mean,)
+        self.std = (self.spec.std,)
         self.source = str(self.raw_folder.resolve())
 
     @property

@@ -70,7 +70,8 @@ class PartitionedBatchSampler(GlobalBatchSampler):
                 f"data.partitions={count}: each global batch takes the same share of each"
             )
         super().__init__(dataset, num_replicas, rank, global_batch_size, seed)
-        self.parts, self.tag_epoch = parts, tag_epoch
+        self.parts = parts
+        self.tag_epoch = tag_epoch
         self.per_part = global_batch_size // count
         self.num_batches = min(len(part) for part in parts) // self.per_part
         if self.num_batches == 0:

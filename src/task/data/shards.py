@@ -111,9 +111,12 @@ class ShardSplit(Dataset):
         max_cache_size: str,
         cache_dir: str | None = None,
     ) -> None:
-        self.folder, self.image_shape, self.transform = folder, image_shape, transform
+        self.folder = folder
+        self.image_shape = image_shape
+        self.transform = transform
         self.cache_dir = cache_dir
-        self.indices, self.targets = positions, labels[positions]
+        self.indices = positions
+        self.targets = labels[positions]
         self.max_cache_size = max_cache_size
         self._digest = hashlib.md5(f"{digest}:".encode() + positions.numpy().tobytes()).hexdigest()
         self._data: Any = None  # opened in the process that reads (each loader worker)
@@ -146,7 +149,8 @@ class ShardSplit(Dataset):
     def decoded(self, rows: list[int], size: Sequence[int] | None = None) -> Iterator[np.ndarray]:
         """``uint8 [C, H, W]`` (read-only) of the samples at ``rows``, each at its stored size
         (an image file's own) or resized to ``size`` (H, W) as every data path resizes."""
-        data, channels = self.data(), self.image_shape[0]
+        data = self.data()
+        channels = self.image_shape[0]
         for row in rows:
             file = io.BytesIO(data[int(self.indices[row])]["image"])
             yield decode_image(file, channels, size).transpose(2, 0, 1)
@@ -225,7 +229,8 @@ class ShardDataModule(ImageDataModule):
         self.manifest = manifest
         self.classes = tuple(manifest["classes"])
         self.image_shape = tuple(manifest["image_shape"])
-        self.mean, self.std = tuple(manifest["mean"]), tuple(manifest["std"])
+        self.mean = tuple(manifest["mean"])
+        self.std = tuple(manifest["std"])
         if val_size is None:  # the source dataset's: the same validation samples
             self.hparams.val_size = manifest.get("val_size", 0)
 

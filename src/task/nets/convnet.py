@@ -33,7 +33,9 @@ class ConvNet(nn.Module):
                 nn.ReLU(inplace=True),
                 nn.MaxPool2d(2),
             ]
-            in_channels, height, width = channels_out, height // 2, width // 2
+            in_channels = channels_out
+            height = height // 2
+            width = width // 2
         self.features = nn.Sequential(*blocks)
         self.classifier = nn.Sequential(
             nn.Flatten(),
