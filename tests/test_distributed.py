@@ -414,5 +414,5 @@ def test_fsdp_refuses_parameters_outside_the_sharded_blocks() -> None:
     """A module holding parameters outside every unit would fail at the first resume (Lightning
     loads a gathered checkpoint unit by unit): refused up front, naming it and the fix."""
     net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 10))
-    with pytest.raises(ConfigError, match=r"1 \(BatchNorm2d\) holds parameters outside the"):
+    with pytest.raises(ConfigError, match=r"1 \(BatchNorm2d\) hold parameters outside the"):
         shard(net, mesh=None, blocks=(nn.Conv2d, nn.Linear))

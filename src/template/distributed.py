@@ -132,7 +132,7 @@ def shard(module: nn.Module, mesh: Any, blocks: tuple[type[nn.Module], ...]) -> 
     ]:
         kinds = sorted({type(module.get_submodule(name)).__name__ for name in loose})
         raise ConfigError(
-            f"strategy=fsdp: {', '.join(loose)} ({', '.join(kinds)}) holds parameters outside "
+            f"strategy=fsdp: {', '.join(loose)} ({', '.join(kinds)}) hold parameters outside "
             f"the sharded blocks {[kind.__name__ for kind in blocks]}; add its type to them"
         )
     for unit in reversed(units):  # innermost first, as FSDP2 asks
