@@ -87,7 +87,15 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         tracking.log_outcome(loggers, datamodule, out, best, figures)
         # The test metrics' step (the epoch count): MLflow links them to the model.
         tracking.log_model(
-            loggers, cfg.logger, task, model, datamodule, out, trainer.current_epoch, list(tested)
+            loggers,
+            cfg.logger,
+            task,
+            model,
+            datamodule,
+            out,
+            trainer.current_epoch,
+            list(tested),
+            best_checkpoint=best,
         )
     sweeps.record_job(out, result=metrics.get(cfg.optimized_metric))
     sweep_run.summarize(cfg, task.mode)  # a sweep job: the sweep's parent run, updated

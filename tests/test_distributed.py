@@ -16,11 +16,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from mlflow import MlflowClient
+from torch import nn
 from torch.utils.data import TensorDataset
 
-from src.template.distributed import WatchedDDPStrategy
+from src.template.distributed import WatchedDDPStrategy, shard
 from src.template.resume import GlobalBatchSampler
 from src.template.trainer import build_trainer
 from tests.conftest import (
@@ -267,18 +269,19 @@ def test_two_ranks_train_the_same_weights_as_one(tiny_root: Path, tmp_path: Path
         "logger=none",
     ]
     weights = {}
-    # The third job slices its batches from data copied once to the device (data.device_resident).
+    # The third job slices its batches from data copied once to the device (data.device_resident);
+    # the fourth shards weights, gradients and optimizer state (FSDP2), its checkpoint gathered.
     for name, devices, more in (
-        (1, 1, []),
-        (2, 2, []),
-        ("2-resident", 2, ["data.device_resident=true"]),
+        (1, 1, ["strategy=ddp"]),
+        (2, 2, ["strategy=ddp"]),
+        ("2-resident", 2, ["strategy=ddp", "data.device_resident=true"]),
+        ("2-fsdp", 2, ["strategy=fsdp"]),
     ):
         run_dir = tmp_path / f"run{name}"
         run_entry(
             "train",
             *overrides,
             *more,
-            "strategy=ddp",
             f"devices={devices}",
             f"hydra.run.dir={run_dir}",
             cwd=tmp_path,
@@ -286,7 +289,7 @@ def test_two_ranks_train_the_same_weights_as_one(tiny_root: Path, tmp_path: Path
         weights[name] = final_weights(run_dir)
         assert read_metrics(run_dir)["train/samples"] == (N_TRAIN - VAL_SIZE) // 32 * 32
     for name, value in weights[1].items():
-        for other in (2, "2-resident"):
+        for other in (2, "2-resident", "2-fsdp"):
             torch.testing.assert_close(weights[other][name], value, atol=1e-5, rtol=1e-4, msg=name)
 
 
@@ -405,3 +408,11 @@ def test_sync_batchnorm_on_cpu_warns_and_trains(tiny_root: Path, tmp_path: Path)
         cwd=tmp_path,
     )
     assert "strategy.sync_batchnorm=true is ignored: torch's SyncBatchNorm" in proc.stderr
+
+
+def test_fsdp_refuses_parameters_outside_the_sharded_blocks() -> None:
+    """A module holding parameters outside every unit would fail at the first resume (Lightning
+    loads a gathered checkpoint unit by unit): refused up front, naming it and the fix."""
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 10))
+    with pytest.raises(ConfigError, match=r"1 \(BatchNorm2d\) hold parameters outside the"):
+        shard(net, mesh=None, blocks=(nn.Conv2d, nn.Linear))

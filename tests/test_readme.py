@@ -128,7 +128,10 @@ DROPPED_GROUP = ("[same", "overrides]")
 UNKNOWN_PLACEHOLDER = re.compile(r"<[^<>]*>|\.\.\.|^\[|(?:^|=)[A-Z][A-Z0-9_]*$")
 
 # Signs of a failure that an exit code 0 can hide.
-LOG_PROBLEMS = re.compile(r"Traceback|InterpolationResolutionError|Callback \w+\.\w+ raised")
+# A model export that failed is a warning, never a failed job: here it is a failure.
+LOG_PROBLEMS = re.compile(
+    r"Traceback|InterpolationResolutionError|Callback \w+\.\w+ raised|not logged as an MLflow model"
+)
 PRINT_ONLY = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i"}
 
 

@@ -31,22 +31,23 @@ SIGNAL_AT_STEP = PROJECT / "tests" / "signal_at_step"
 pytestmark = pytest.mark.xdist_group("resume")
 
 
-def overrides(tiny_root: Path, devices: int) -> list[str]:
-    ddp = ["strategy=ddp", f"devices={devices}"] if devices > 1 else []
-    return [*tiny_overrides(tiny_root), f"trainer.max_epochs={EPOCHS}", *ddp]
+def overrides(tiny_root: Path, devices: int, strategy: str = "ddp") -> list[str]:
+    ranks = [f"strategy={strategy}", f"devices={devices}"] if devices > 1 else []
+    return [*tiny_overrides(tiny_root), f"trainer.max_epochs={EPOCHS}", *ranks]
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The uninterrupted job for a world size (run once per module and world size)."""
-    done: dict[int, Path] = {}
+    """The uninterrupted job for a world size and strategy (run once per module and each)."""
+    done: dict[tuple[int, str], Path] = {}
 
-    def get(devices: int) -> Path:
-        if devices not in done:
-            workdir = tmp_path_factory.mktemp(f"reference{devices}")
-            run_entry("train", *overrides(tiny_root, devices), "hydra.run.dir=run", cwd=workdir)
-            done[devices] = workdir
-        return done[devices]
+    def get(devices: int, strategy: str = "ddp") -> Path:
+        if (devices, strategy) not in done:
+            workdir = tmp_path_factory.mktemp(f"reference{devices}{strategy}")
+            args = overrides(tiny_root, devices, strategy)
+            run_entry("train", *args, "hydra.run.dir=run", cwd=workdir)
+            done[devices, strategy] = workdir
+        return done[devices, strategy]
 
     return get
 
@@ -92,6 +93,15 @@ CASES = {
         16,
         "KILLED",
     ),
+    # Sharded (strategy=fsdp): its checkpoint gathered into one file, resumed onto the shards.
+    "fsdp-sigterm-mid-epoch-2-ranks": (
+        2,
+        ["callbacks.stop_check_every_n_steps=3"],
+        "14:SIGTERM",
+        143,
+        16,
+        "KILLED",
+    ),
     "usr1-before-any-checkpoint": (1, [], "0:SIGUSR1", 138, 1, "KILLED"),
     "max-steps-mid-epoch": (1, ["trainer.max_steps=14"], None, 0, 14, "FINISHED"),
     "workers-epoch-end-2-ranks": (2, ["data.num_workers=2"], "19:SIGINT", 130, 20, "KILLED"),
@@ -120,8 +130,13 @@ def test_stopped_and_resumed_equals_uninterrupted(
     case: str, reference, tiny_root: Path, tmp_path: Path
 ) -> None:
     devices, extra, signal_at, code, stop_step, status = CASES[case]
+    strategy = "fsdp" if case.startswith("fsdp") else "ddp"
     again = case in SAME_COMMAND_AGAIN
-    args = [*overrides(tiny_root, devices), *extra, *(["ckpt_path=auto"] if again else [])]
+    args = [
+        *overrides(tiny_root, devices, strategy),
+        *extra,
+        *(["ckpt_path=auto"] if again else []),
+    ]
     assert stopped_job(tmp_path, args, signal_at) == code
     last = tmp_path / "run/checkpoints/last.ckpt"
     saved = torch.load(last, weights_only=True)
@@ -136,7 +151,7 @@ def test_stopped_and_resumed_equals_uninterrupted(
     resume = [] if again else [f"ckpt_path={last}"]
     run_entry("train", *resumed_args, *resume, f"hydra.run.dir={resumed_dir}", cwd=tmp_path)
 
-    expected_dir = reference(devices)
+    expected_dir = reference(devices, strategy)
     expected = torch.load(expected_dir / "run/checkpoints/last.ckpt", weights_only=True)
     resumed = torch.load(resumed_dir / "checkpoints/last.ckpt", weights_only=True)
     for part in ("epoch", "global_step", "state_dict", "optimizer_states", "lr_schedulers"):

@@ -10,12 +10,18 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import MaxMetric, Metric
 
 from src.task import nets
 from src.task.data.images import ImageDataModule
 from src.template.data import Batch
+from src.template.distributed import shard
+
+# strategy=fsdp: each submodule of these types is sharded as one unit (its weights gathered just
+# before it runs, freed after). Every module that holds parameters of its own must be, or be
+# inside, one of them (shard() says which is not). A big network: list its blocks instead.
+SHARDED_BLOCKS = (nn.Conv2d, nn.BatchNorm2d, nn.Linear)
 
 
 class StageMetrics(Metric):
@@ -79,9 +85,10 @@ class ImageClassifier(L.LightningModule):
         self.net = nets.build(net, channels, (height, width), num_classes)
         self.example_input_array = torch.zeros(1, *image_shape)  # shapes, FLOPs in the summary
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        # torch.compile of the network's forward only: the module (and so the checkpoint keys)
-        # stays the plain network, and a plain function is not registered as a submodule.
-        self.net_forward = torch.compile(self.net.forward) if compile else self.net.forward
+        # The network called through a plain function (not registered as a submodule), so the
+        # checkpoint keys stay the plain network's; its __call__ runs FSDP's hooks under
+        # strategy=fsdp. torch.compile compiles that call.
+        self.net_forward = torch.compile(self.net.__call__) if compile else self.net.__call__
         self.train_metrics = StageMetrics()
         self.val_metrics = StageMetrics()
         self.test_metrics = StageMetrics()
@@ -91,6 +98,12 @@ class ImageClassifier(L.LightningModule):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.net_forward(images.contiguous(memory_format=self.memory_format))
+
+    def configure_model(self) -> None:
+        """Under strategy=fsdp, shard the network over the ranks (Lightning calls this once the
+        ranks are up; with other strategies there is no device mesh and nothing to do)."""
+        if self.device_mesh is not None:
+            shard(self.net, self.device_mesh, SHARDED_BLOCKS)
 
     def setup(self, stage: str) -> None:
         self.net.to(memory_format=self.memory_format)  # channels_last: NHWC kernels on GPU

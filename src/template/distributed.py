@@ -1,5 +1,5 @@
-"""Rank-aware process handling: the watched DDP strategy, process counts and who started them,
-device checks, per-rank logs, and leaving nothing distributed behind."""
+"""Rank-aware process handling: the watched DDP and FSDP strategies, process counts and who
+started them, device checks, per-rank logs, and leaving nothing distributed behind."""
 
 import hashlib
 import logging
@@ -15,7 +15,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment, TorchEla
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
@@ -83,11 +83,69 @@ class WatchedDDPStrategy(DDPStrategy):
         self._launcher = WatchedLauncher(self)
 
 
+class WatchedFSDPStrategy(ModelParallelStrategy):
+    """Fully sharded data parallel: Lightning's ``ModelParallelStrategy`` with every rank in
+    one data-parallel group (no tensor parallelism), so the task's ``configure_model`` shards
+    with torch's ``fully_shard`` (FSDP2) over all ranks (:func:`shard`); watched like DDP.
+    Checkpoints are gathered into the one file DDP writes (``save_distributed_checkpoint``
+    off): every check, eval, predict and export reads them unchanged."""
+
+    def __init__(self, watch_s: float, exit_grace_s: float, **kwargs: Any) -> None:
+        super().__init__(save_distributed_checkpoint=False, **kwargs)
+        self.watch_s, self.exit_grace_s = watch_s, exit_grace_s
+        self.watching_launcher = False
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes  # every rank
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def _configure_launcher(self) -> None:
+        self._launcher = WatchedLauncher(self)
+
+
+def is_sharded(module: Any) -> bool:
+    """Whether ``module`` holds FSDP2-sharded parameters (it or a submodule was :func:`shard`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = module.modules() if isinstance(module, nn.Module) else ()
+    return any(isinstance(sub, FSDPModule) for sub in modules)
+
+
+def shard(module: nn.Module, mesh: Any, blocks: tuple[type[nn.Module], ...]) -> None:
+    """Shard ``module``'s parameters, gradients and optimizer state over ``mesh`` (FSDP2):
+    each submodule of a type in ``blocks`` is its own unit, gathered just before it runs and
+    freed after. Call it from ``configure_model``: Lightning calls that for each stage (fit,
+    then test), and a sharded module is left as it is.
+
+    Every module holding parameters of its own must be a unit or inside one: Lightning loads a
+    gathered checkpoint unit by unit, and fails on parameters the network's root holds."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(module, FSDPModule):
+        return
+    units = [sub for sub in module.modules() if sub is not module and isinstance(sub, blocks)]
+    inside = {id(part) for unit in units for part in unit.modules()}
+    if loose := [
+        name
+        for name, sub in module.named_modules()
+        if id(sub) not in inside and next(sub.parameters(recurse=False), None) is not None
+    ]:
+        kinds = sorted({type(module.get_submodule(name)).__name__ for name in loose})
+        raise ConfigError(
+            f"strategy=fsdp: {', '.join(loose)} ({', '.join(kinds)}) hold parameters outside "
+            f"the sharded blocks {[kind.__name__ for kind in blocks]}; add its type to them"
+        )
+    for unit in reversed(units):  # innermost first, as FSDP2 asks
+        fully_shard(unit, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
 class WatchedLauncher(SubprocessScriptLauncher):
     """Lightning's ``launch`` with our watchdog for its observer, which SIGKILLs the launching
     process and so leaves the run RUNNING, the dead rank unnamed."""
 
-    def __init__(self, strategy: WatchedDDPStrategy) -> None:
+    def __init__(self, strategy: WatchedDDPStrategy | WatchedFSDPStrategy) -> None:
         super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
         self.strategy = strategy
 

@@ -24,6 +24,7 @@ from src.template.data import per_device_batch_size
 from src.template.distributed import (
     LogRankSetup,
     WatchedDDPStrategy,
+    WatchedFSDPStrategy,
     check_devices,
     requested_processes,
     srun_starts_ranks,
@@ -186,6 +187,13 @@ def build_trainer(
             exit_grace_s=ddp.exit_grace_s,
             process_group_backend=ddp.process_group_backend,  # by default nccl on GPU, else gloo
             find_unused_parameters=ddp.find_unused_parameters,
+            timeout=timedelta(seconds=ddp.timeout_s),
+        )
+    elif strategy == "fsdp":
+        strategy = WatchedFSDPStrategy(
+            watch_s=ddp.watch_s,
+            exit_grace_s=ddp.exit_grace_s,
+            process_group_backend=ddp.process_group_backend,
             timeout=timedelta(seconds=ddp.timeout_s),
         )
     settings = OmegaConf.to_container(cfg.trainer, resolve=True)
