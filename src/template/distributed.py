@@ -92,7 +92,8 @@ class WatchedFSDPStrategy(ModelParallelStrategy):
 
     def __init__(self, watch_s: float, exit_grace_s: float, **kwargs: Any) -> None:
         super().__init__(save_distributed_checkpoint=False, **kwargs)
-        self.watch_s, self.exit_grace_s = watch_s, exit_grace_s
+        self.watch_s = watch_s
+        self.exit_grace_s = exit_grace_s
         self.watching_launcher = False
 
     def setup_environment(self) -> None:
