@@ -37,7 +37,7 @@ REPEATS = ("seed=", "fold=")  # jobs that differ only in these repeat one experi
 
 
 class SweepError(RuntimeError):
-    """A sweep job's folder holds another sweep's output, or its own DDP process tree failed."""
+    """A sweep job's folder holds another sweep's output, or its own rank processes failed."""
 
 
 def in_multirun() -> bool:
@@ -159,7 +159,7 @@ def run_sweep_job_in_own_process(optimized_metric: str) -> float | None:
     command.append(f"hydra.run.dir={out}")
     env = {**os.environ, SWEEP_JOB_ENV: f"{hydra.sweep.dir}/{hydra.job.num}"}
     log.info(
-        "sweep job %s runs as its own DDP process tree: %s", hydra.job.num, shlex.join(command)
+        "sweep job %s runs as its own process tree of ranks: %s", hydra.job.num, shlex.join(command)
     )
     code = subprocess.run(command, env=env).returncode
     if code != 0:
