@@ -3,7 +3,7 @@ an upgrade that renames or reshapes one fails here, loudly, not in a job."""
 
 import inspect
 
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from src.template.private import (
     SubprocessScriptLauncher,
@@ -22,8 +22,9 @@ def test_lightnings_subprocess_launcher_has_what_the_watched_launcher_uses() -> 
     launcher = SubprocessScriptLauncher.__new__(SubprocessScriptLauncher)
     launcher.__init__(cluster_environment=None, num_processes=2, num_nodes=1)
     assert launcher.procs == [], "the started rank processes are read from .procs"
-    assert callable(DDPStrategy._configure_launcher)
-    assert "_launcher" in inspect.getsource(DDPStrategy._configure_launcher)
+    for strategy in (DDPStrategy, ModelParallelStrategy):  # the watched DDP and FSDP
+        assert callable(strategy._configure_launcher)
+        assert "_launcher" in inspect.getsource(strategy._configure_launcher)
 
 
 def test_lightnings_thread_setting_takes_the_process_count() -> None:

@@ -70,8 +70,9 @@ def uses_gpu(accelerator: str) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
-class WatchedDDPStrategy(DDPStrategy):
-    """Lightning's DDP, its rank processes watched (:func:`~src.template.shutdown.watch_ranks`)."""
+class WatchedRanks:
+    """Mixed into a Lightning strategy that starts one process per rank: its rank processes
+    watched (:func:`~src.template.shutdown.watch_ranks`) by :class:`WatchedLauncher`."""
 
     def __init__(self, watch_s: float, exit_grace_s: float, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -83,26 +84,26 @@ class WatchedDDPStrategy(DDPStrategy):
         self._launcher = WatchedLauncher(self)
 
 
-class WatchedFSDPStrategy(ModelParallelStrategy):
-    """Fully sharded data parallel: Lightning's ``ModelParallelStrategy`` with every rank in
+class WatchedDDPStrategy(WatchedRanks, DDPStrategy):
+    """Lightning's DDP, its rank processes watched."""
+
+
+class WatchedFSDPStrategy(WatchedRanks, ModelParallelStrategy):
+    """Fully sharded data parallel: Lightning's ``ModelParallelStrategy`` with all ``ranks`` in
     one data-parallel group (no tensor parallelism), so the task's ``configure_model`` shards
     with torch's ``fully_shard`` (FSDP2) over all ranks (:func:`shard`); watched like DDP.
     Checkpoints are gathered into the one file DDP writes (``save_distributed_checkpoint``
     off): every check, eval, predict and export reads them unchanged."""
 
-    def __init__(self, watch_s: float, exit_grace_s: float, **kwargs: Any) -> None:
-        super().__init__(save_distributed_checkpoint=False, **kwargs)
-        self.watch_s = watch_s
-        self.exit_grace_s = exit_grace_s
-        self.watching_launcher = False
-
-    def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_nodes * self.num_processes  # every rank
-        self._tensor_parallel_size = 1
-        super().setup_environment()
-
-    def _configure_launcher(self) -> None:
-        self._launcher = WatchedLauncher(self)
+    def __init__(self, watch_s: float, exit_grace_s: float, ranks: int, **kwargs: Any) -> None:
+        super().__init__(
+            watch_s,
+            exit_grace_s,
+            data_parallel_size=ranks,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=False,
+            **kwargs,
+        )
 
 
 def is_sharded(module: Any) -> bool:
@@ -146,7 +147,7 @@ class WatchedLauncher(SubprocessScriptLauncher):
     """Lightning's ``launch`` with our watchdog for its observer, which SIGKILLs the launching
     process and so leaves the run RUNNING, the dead rank unnamed."""
 
-    def __init__(self, strategy: WatchedDDPStrategy | WatchedFSDPStrategy) -> None:
+    def __init__(self, strategy: WatchedRanks) -> None:
         super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
         self.strategy = strategy
 

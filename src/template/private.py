@@ -3,7 +3,8 @@ pinned by ``tests/test_private.py``: an upgrade that changes one fails there, lo
 
 * Lightning's ``_SubprocessScriptLauncher``, subclassed (it has no hook to watch the processes it
   starts: ``launch``, ``_call_children_scripts()``, ``procs``) and installed by
-  ``DDPStrategy._configure_launcher()`` as ``_launcher``; ``_set_num_threads_if_needed``.
+  ``_configure_launcher()`` (of ``DDPStrategy`` and ``ModelParallelStrategy``) as ``_launcher``;
+  ``_set_num_threads_if_needed``.
 * Lightning's loop progress counters, read where a resumed epoch starts and whether an epoch ran
   to its end (``src/template/resume.py``): ``fit_loop.epoch_progress.current.started|processed``
   and ``fit_loop.epoch_loop.batch_progress.current.processed`` (public names, no stable API).

@@ -179,23 +179,18 @@ def build_trainer(
     :class:`StopOnSignal` checkpoints and ``slurm/train.sbatch`` requeues."""
     processes = requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)
     srun = [SLURMEnvironment(auto_requeue=False)] if srun_starts_ranks(processes) else []
-    strategy = cfg.strategy.name
-    ddp = cfg.strategy  # ddp, or auto for several: watched DDP
+    strategy = cfg.strategy.name  # ddp, fsdp, or auto (for several processes: watched DDP)
+    launch = {
+        "watch_s": cfg.strategy.watch_s,
+        "exit_grace_s": cfg.strategy.exit_grace_s,
+        "process_group_backend": cfg.strategy.process_group_backend,  # null: nccl on GPU, else gloo
+        "timeout": timedelta(seconds=cfg.strategy.timeout_s),
+    }
     if strategy == "ddp" or (strategy == "auto" and processes > 1):
-        strategy = WatchedDDPStrategy(
-            watch_s=ddp.watch_s,
-            exit_grace_s=ddp.exit_grace_s,
-            process_group_backend=ddp.process_group_backend,  # by default nccl on GPU, else gloo
-            find_unused_parameters=ddp.find_unused_parameters,
-            timeout=timedelta(seconds=ddp.timeout_s),
-        )
+        unused = cfg.strategy.find_unused_parameters
+        strategy = WatchedDDPStrategy(**launch, find_unused_parameters=unused)
     elif strategy == "fsdp":
-        strategy = WatchedFSDPStrategy(
-            watch_s=ddp.watch_s,
-            exit_grace_s=ddp.exit_grace_s,
-            process_group_backend=ddp.process_group_backend,
-            timeout=timedelta(seconds=ddp.timeout_s),
-        )
+        strategy = WatchedFSDPStrategy(**launch, ranks=processes)
     settings = OmegaConf.to_container(cfg.trainer, resolve=True)
     settings["profiler"] = settings.get("profiler") or NoProfiler()  # null: no cost per hook
     return L.Trainer(
