@@ -47,17 +47,22 @@ def slurm_cluster() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def sbatch(workdir: Path, *args: str) -> tuple[str, str]:
-    """``sbatch`` from ``workdir`` with this project's Python, then wait for the job: (job id,
-    its final state). Not ``sbatch --wait``: it polls after 2, 8 and then every 32 s, which
-    made a 12 s job take 42 s."""
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(PROJECT)}
+def submit(workdir: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    """``sbatch`` from ``workdir`` with this project's Python (or ``env``): the job's id."""
+    env = env or {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(PROJECT)}
     proc = subprocess.run(
         ["sbatch", *args], cwd=workdir, env=env, capture_output=True, text=True, timeout=60
     )
     job = re.search(r"Submitted batch job (\d+)", proc.stdout)
     assert job, proc.stdout + proc.stderr
-    return job.group(1), wait_for_job(job.group(1)).rsplit(" -> ", 1)[-1].split("/")[0]
+    return job.group(1)
+
+
+def sbatch(workdir: Path, *args: str) -> tuple[str, str]:
+    """:func:`submit`, then wait for the job: (job id, its final state). Not ``sbatch --wait``:
+    it polls after 2, 8 and then every 32 s, which made a 12 s job take 42 s."""
+    job = submit(workdir, *args)
+    return job, wait_for_job(job).rsplit(" -> ", 1)[-1].split("/")[0]
 
 
 @pytest.mark.slow
@@ -136,17 +141,8 @@ def test_sbatch_takes_hydra_run_dir_from_its_arguments(
 def test_a_dead_rank_ends_the_srun_job_within_seconds(
     slurm_cluster: None, tiny_root: Path, tmp_path: Path
 ) -> None:
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(PROJECT)}
     args = [*tiny_overrides(tiny_root), "trainer.max_epochs=500", "hydra.run.dir=run"]
-    submitted = subprocess.run(
-        ["sbatch", "--gpus-per-node=0", str(SBATCH), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    job = re.search(r"Submitted batch job (\d+)", submitted.stdout).group(1)
+    job = submit(tmp_path, "--gpus-per-node=0", str(SBATCH), *args)
     try:
         wait_for_file(tmp_path / "run/checkpoints/last.ckpt")
         (rank1,) = processes_with_env(SLURM_JOB_ID=job, SLURM_PROCID="1")
@@ -188,15 +184,7 @@ def test_usr1_requeues_and_the_job_resumes_into_the_same_run(
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(PROJECT)}
     if when == "before-training":
         env |= {"PYTHONPATH": f"{INSTRUMENT}:{PROJECT}", "PAUSE_IN_SETUP": "120"}
-    submitted = subprocess.run(
-        ["sbatch", "--gpus-per-node=0", str(SBATCH), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    job = re.search(r"Submitted batch job (\d+)", submitted.stdout).group(1)
+    job = submit(tmp_path, "--gpus-per-node=0", str(SBATCH), *args, env=env)
     run_dir = tmp_path / "outputs" / "train" / "slurm" / job
     under_way = {"training": "checkpoints/last.ckpt", "before-training": "mlflow_run_id.txt"}
     try:
