@@ -19,6 +19,8 @@ read from ``$TEMPLATE_DATA_DIR``; without it, rows 6 are skipped.
    the default ConvNet's throughput ratio (:mod:`benchmarks.step_overhead`)
 10. data at scale: peak memory and first step, streamed and in memory, for generated JPEGs;
    one loader worker's decode + augment throughput (:mod:`benchmarks.data_scale`)
+11. sharding: per-rank parameter + gradient + optimizer memory, peak memory and steps/s of
+   ``strategy=ddp`` against ``strategy=fsdp`` on 2 ranks (:mod:`benchmarks.sharding`)
 
 ``--tiny`` runs every row on a small generated dataset in about a minute (used by the tests).
 """
@@ -582,6 +584,9 @@ def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict
     from benchmarks import data_scale
 
     rows |= data_scale.run_rows(tiny, workdir, repeats)
+    from benchmarks import sharding
+
+    rows |= sharding.measure(workdir, tiny, repeats)
     return {
         "machine": machine(),
         "settings": {

@@ -83,6 +83,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         tested = trainer.test(model, datamodule=datamodule, ckpt_path=best, verbose=False)[0]
         metrics.update(tested)
         reporting.report_metrics(metrics, out)
+        model = checkpoint.whole_model(model, best, task)  # rank 0: FSDP's weights, gathered
         figures = reporting.figures(task, model, datamodule, out / "figures")
         tracking.log_outcome(loggers, datamodule, out, best, figures)
         # The test metrics' step (the epoch count): MLflow links them to the model.
@@ -95,7 +96,6 @@ def train(cfg: DictConfig, task: Task) -> float | None:
             out,
             trainer.current_epoch,
             list(tested),
-            best_checkpoint=best,
         )
     sweeps.record_job(out, result=metrics.get(cfg.optimized_metric))
     sweep_run.summarize(cfg, task.mode)  # a sweep job: the sweep's parent run, updated

@@ -37,7 +37,7 @@ def test_benchmark_tiny_mode_reports_every_row(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     rows = results["rows"]
     measured = [name for name, row in rows.items() if "skipped" not in row]
-    for prefix in ("1.", "2.", "3.", "4.", "5.", "8.", "9.", "10."):  # 8: on the CPU, no GPU
+    for prefix in ("1.", "2.", "3.", "4.", "5.", "8.", "9.", "10.", "11."):  # 8: CPU, no GPU
         assert any(name.startswith(f"{prefix} ") for name in measured), f"row {prefix} missing"
     assert any(name.startswith("6.") for name in rows)
     for name in measured:
@@ -55,4 +55,8 @@ def test_benchmark_tiny_mode_reports_every_row(tmp_path: Path) -> None:
         assert kind == "bare L.Trainer" or f"9. convnet: {kind} (ms per step)" in measured
     targets = [name for name in measured if name.startswith("9.") and "target" in name]
     assert len(targets) == 3, targets  # tiny: wall and CPU time; ConvNet: throughput
+    # Row 11 (benchmarks.sharding): FSDP holds half of DDP's weights, gradients and AdamW state
+    # on each of 2 ranks (a mesh given whole to fully_shard replicated them instead: 1.0).
+    share = rows["11. cpu, FSDP / DDP state per rank on 2 ranks (1/N: sharded)"]
+    assert share["median"] == pytest.approx(0.5, abs=0.01), share
     assert (PROJECT / "benchmarks" / "results.json").read_bytes() == published, "left as it was"

@@ -35,6 +35,7 @@ def test_training_steps_call_only_lightnings_own_collectives(tiny_root: Path, tm
         "train",
         *tiny_overrides(tiny_root),
         "strategy=ddp",
+        "accelerator=cpu",  # 2 gloo ranks, also on a machine with one GPU
         "devices=2",
         "data.batch_size=16",
         "trainer.max_epochs=2",

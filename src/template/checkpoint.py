@@ -394,6 +394,26 @@ def model_from_checkpoint(saved: Mapping[str, Any], name: str, task: Task) -> L.
     return model
 
 
+def is_sharded(module: Any) -> bool:
+    """Whether ``module`` holds FSDP2-sharded parameters (``distributed.shard`` went through it
+    or a submodule)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = module.modules() if isinstance(module, torch.nn.Module) else ()
+    return any(isinstance(sub, FSDPModule) for sub in modules)
+
+
+@rank_zero_only
+def whole_model(model: L.LightningModule, ckpt_path: str, task: Task) -> L.LightningModule:
+    """The model rank 0 runs alone after training (figures, the MLflow model): ``model``, or,
+    where it is sharded (strategy=fsdp: each rank holds 1/N of every weight and a forward needs
+    every rank), the same model rebuilt whole on the CPU from ``ckpt_path``, the gathered
+    checkpoint."""
+    if not is_sharded(model):
+        return model
+    return model_from_checkpoint(read_checkpoint(ckpt_path), Path(ckpt_path).name, task)
+
+
 def load_for_inference(
     ckpt_path: str | None, data: Mapping[str, Any], typed: set[str], task: Task
 ) -> tuple[L.LightningModule, L.LightningDataModule, dict[str, str] | None]:

@@ -106,16 +106,9 @@ class WatchedFSDPStrategy(WatchedRanks, ModelParallelStrategy):
         )
 
 
-def is_sharded(module: Any) -> bool:
-    """Whether ``module`` holds FSDP2-sharded parameters (it or a submodule was :func:`shard`)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    modules = module.modules() if isinstance(module, nn.Module) else ()
-    return any(isinstance(sub, FSDPModule) for sub in modules)
-
-
 def shard(module: nn.Module, mesh: Any, blocks: tuple[type[nn.Module], ...]) -> None:
-    """Shard ``module``'s parameters, gradients and optimizer state over ``mesh`` (FSDP2):
+    """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel
+    ranks of ``mesh``, the LightningModule's ``device_mesh`` (FSDP2):
     each submodule of a type in ``blocks`` is its own unit, gathered just before it runs and
     freed after. Call it from ``configure_model``: Lightning calls that for each stage (fit,
     then test), and a sharded module is left as it is.
@@ -138,6 +131,10 @@ def shard(module: nn.Module, mesh: Any, blocks: tuple[type[nn.Module], ...]) -> 
             f"strategy=fsdp: {', '.join(loose)} ({', '.join(kinds)}) hold parameters outside "
             f"the sharded blocks {[kind.__name__ for kind in blocks]}; add its type to them"
         )
+    if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
+        # The strategy's mesh is 2-D (data x tensor parallel); given whole, fully_shard would
+        # replicate over the ranks and shard over the tensor-parallel dimension, of size 1.
+        mesh = mesh["data_parallel"]
     for unit in reversed(units):  # innermost first, as FSDP2 asks
         fully_shard(unit, mesh=mesh)
     fully_shard(module, mesh=mesh)

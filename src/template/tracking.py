@@ -18,9 +18,9 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoa
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from src.template import checkpoint, store, sweep_run
+from src.template import store, sweep_run
 from src.template.config import as_config_error, flatten
-from src.template.distributed import is_sharded, requested_processes
+from src.template.distributed import requested_processes
 from src.template.files import write_text_atomically
 from src.template.outbox import Outbox, OutboxClient, Sender, encode, finish, offline_run_id
 from src.template.private import run_context_tags
@@ -427,12 +427,11 @@ def log_model(
     output_dir: Path,
     step: int,
     metrics: Sequence[str],
-    best_checkpoint: str | None = None,
 ) -> None:
     """The task's exported model, saved in ``model/`` and logged as the run's LoggedModel at the
     step of its final ``metrics`` (registered if ``logger.registered_model_name``). A model that
-    cannot be exported costs a warning, never the job's results. A sharded ``model``
-    (strategy=fsdp: this rank holds 1/N of each weight) is rebuilt from ``best_checkpoint``."""
+    cannot be exported costs a warning, never the job's results. ``model`` is whole (not sharded:
+    see ``checkpoint.whole_model``)."""
     from src.template import export
 
     logger = mlflow_logger(loggers)
@@ -442,9 +441,6 @@ def log_model(
         print("No MLflow model logged: the task has no export (Task.export, src/task/__init__.py)")
         return
     try:
-        if best_checkpoint and is_sharded(model):
-            saved = checkpoint.read_checkpoint(best_checkpoint)
-            model = checkpoint.model_from_checkpoint(saved, Path(best_checkpoint).name, task)
         folder = export.save_model(task.export(model, datamodule), output_dir / export.MODEL_FOLDER)
     except Exception as error:
         rank_zero_warn(

@@ -14,7 +14,6 @@ from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressB
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.profilers import PassThroughProfiler
-from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.model_summary import ModelSummary
 from omegaconf import DictConfig, OmegaConf
 
@@ -145,16 +144,18 @@ class RichBar(ShowsLastEpoch, RichProgressBar):
 
 class ModelSummaryFile(Callback):
     """The model summary (layers, shapes, parameters, FLOPs) in the output folder, not on the
-    console: rank 0, at the start of fitting."""
+    console, written by rank 0 at the start of fitting. Every rank makes it: its example forward
+    gathers a sharded (FSDP) model's weights, a collective that rank 0 alone would wait on."""
 
     def __init__(self, path: Path, max_depth: int) -> None:
         self.path = path
         self.max_depth = max_depth
 
-    @rank_zero_only
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(f"{ModelSummary(pl_module, max_depth=self.max_depth)}\n")
+        summary = f"{ModelSummary(pl_module, max_depth=self.max_depth)}\n"
+        if trainer.is_global_zero:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(summary)
 
 
 class NoProfiler(PassThroughProfiler):
@@ -193,6 +194,8 @@ def build_trainer(
         strategy = WatchedFSDPStrategy(**launch, ranks=processes)
     settings = OmegaConf.to_container(cfg.trainer, resolve=True)
     settings["profiler"] = settings.get("profiler") or NoProfiler()  # null: no cost per hook
+    if isinstance(strategy, WatchedFSDPStrategy):  # FSDP2 fails to gather weights under
+        settings["inference_mode"] = False  # inference_mode before torch 2.13 (pytorch#197327)
     return L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
