@@ -327,15 +327,23 @@ def launch_together(commands: list[list[str]], envs: list[dict[str, str]], cwd: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("nodes", "per_node"), [(1, 2), (2, 1)])
+@pytest.mark.parametrize(
+    ("nodes", "per_node", "strategy"), [(1, 2, "ddp"), (2, 1, "ddp"), (2, 1, "fsdp")]
+)
 def test_torchrun_from_a_fresh_store_matches_two_devices(
-    nodes: int, per_node: int, two_devices: dict[str, float], tiny_root: Path, tmp_path: Path
+    nodes: int,
+    per_node: int,
+    strategy: str,
+    two_devices: dict[str, float],
+    tiny_root: Path,
+    tmp_path: Path,
 ) -> None:
     # All ranks start at once with the default MLflow store, which does not exist yet: only
     # rank 0 may create it (its schema creation raced with the other ranks' loggers before).
+    # Sharded over 2 "nodes", FSDP trains what DDP on 2 devices trains.
     port, run_dir = free_port(), tmp_path / "run"
     train = ["-m", "src.train", *tiny_overrides(tiny_root), "trainer.max_epochs=1"]
-    train += ["strategy=ddp", f"devices={per_node}", f"num_nodes={nodes}"]
+    train += [f"strategy={strategy}", f"devices={per_node}", f"num_nodes={nodes}"]
     commands = [
         [
             sys.executable,

@@ -66,17 +66,20 @@ def sbatch(workdir: Path, *args: str) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("nodes", "per_node"), [(1, 2), (2, 1)])
+@pytest.mark.parametrize(
+    ("nodes", "per_node", "strategy"), [(1, 2, "ddp"), (2, 1, "ddp"), (2, 1, "fsdp")]
+)
 def test_sbatch_from_a_fresh_store_matches_two_devices(
     nodes: int,
     per_node: int,
+    strategy: str,
     slurm_cluster: None,
     two_devices: dict[str, float],
     tiny_root: Path,
     tmp_path: Path,
 ) -> None:
     # As docs/clusters.md shows it, on CPU nodes; srun starts both ranks at once on a fresh
-    # mlflow.db.
+    # mlflow.db. Sharded over 2 nodes, FSDP trains what DDP on 2 devices trains.
     job, state = sbatch(
         tmp_path,
         f"--nodes={nodes}",
@@ -85,6 +88,7 @@ def test_sbatch_from_a_fresh_store_matches_two_devices(
         str(SBATCH),
         *tiny_overrides(tiny_root),
         "trainer.max_epochs=1",
+        f"strategy={strategy}",
     )
     output = (tmp_path / f"slurm-{job}.out").read_text()
     assert state == "COMPLETED", output[-5000:]
@@ -95,7 +99,7 @@ def test_sbatch_from_a_fresh_store_matches_two_devices(
     assert_rank_logs(run_dir, node, local)  # srun's tasks are the ranks
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
-    if nodes == 1:
+    if nodes == 1 or strategy == "fsdp":
         return  # eval.sbatch on one node: tests/test_readme.py runs the command docs show
     # slurm/eval.sbatch across the nodes gives the test metrics training reported.
     ckpt = next(p for p in (run_dir / "checkpoints").glob("*.ckpt") if p.name != "last.ckpt")

@@ -103,6 +103,8 @@ def test_the_guides_ddp_sweep_runs_every_job_once_with_its_own_world(
 
 
 def test_failed_sweep_job_is_reported_and_the_next_runs(tiny_root: Path, tmp_path: Path) -> None:
+    """A sweep of FSDP jobs (the guide's sweep above is of DDP jobs): job 0 fails before
+    training, job 1 trains sharded into its own run and logs its model."""
     sweep = tmp_path / "sweep"
     (sweep / "0").mkdir(parents=True)
     (sweep / "0" / "checkpoints").write_text("a file where job 0's checkpoints should go")
@@ -112,7 +114,7 @@ def test_failed_sweep_job_is_reported_and_the_next_runs(tiny_root: Path, tmp_pat
         *sweep_overrides(tiny_root),
         f"hydra.sweep.dir={sweep}",
         "model.lr=0.01,0.02",
-        "strategy=ddp",
+        "strategy=fsdp",
         "devices=2",
         cwd=tmp_path,
         check=False,
@@ -123,6 +125,8 @@ def test_failed_sweep_job_is_reported_and_the_next_runs(tiny_root: Path, tmp_pat
     runs = runs_by_job(tmp_path / "mlflow.db")
     assert runs[0].info.status == "FAILED" and runs[1].info.status == "FINISHED"
     assert (sweep / "1" / "metrics.json").is_file()
+    assert proc.stdout.count("MLflow model models:/") == 1, proc.stdout[-3000:]
+    assert "not logged as an MLflow model" not in proc.stderr
 
 
 def test_optuna_search_trains_each_trial_on_every_rank(tiny_root: Path, tmp_path: Path) -> None:

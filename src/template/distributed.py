@@ -105,6 +105,15 @@ class WatchedFSDPStrategy(WatchedRanks, ModelParallelStrategy):
             **kwargs,
         )
 
+    def on_validation_start(self) -> None:
+        """Every rank validates with rank 0's buffers (BatchNorm's running statistics), as under
+        DDP, which copies them from rank 0 before each forward; FSDP leaves them per rank. The
+        checkpoint holds rank 0's either way."""
+        super().on_validation_start()
+        if self.world_size > 1:
+            for buffer in self.lightning_module.buffers():
+                torch.distributed.broadcast(buffer, src=0)
+
 
 def shard(module: nn.Module, mesh: Any, blocks: tuple[type[nn.Module], ...]) -> None:
     """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel
