@@ -13,6 +13,7 @@ from src.task import TASK
 from src.template import entry, reporting, tracking
 from src.template.checkpoint import load_for_inference
 from src.template.config import check_choice, check_keys, typed_keys
+from src.template.distributed import check_shardable
 from src.template.shutdown import run_lifecycle
 from src.template.task import Task
 from src.template.trainer import build_callbacks, build_trainer, check_settings
@@ -28,6 +29,7 @@ def from_checkpoint(
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data = OmegaConf.to_container(cfg.data, resolve=True)
     model, datamodule, source = load_for_inference(cfg.ckpt_path, data, typed_keys("data"), task)
+    check_shardable(cfg.strategy.name, model, task.sharded_blocks)
     with open_dict(cfg):
         cfg.data = OmegaConf.create(dict(datamodule.hparams))
     return model, datamodule, source

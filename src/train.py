@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.task import TASK
 from src.template import checkpoint, entry, reporting, sweep_run, sweeps, tracking
 from src.template.config import as_config_error, check_keys, check_sections
-from src.template.distributed import srun_starts_ranks, use_sync_batchnorm
+from src.template.distributed import check_shardable, srun_starts_ranks, use_sync_batchnorm
 from src.template.resume import SeedEachBatch
 from src.template.shutdown import run_lifecycle
 from src.template.start import say, where_to_start
@@ -46,6 +46,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
     datamodule.load()  # train, validation and test splits
     with as_config_error("model"):
         model = task.build_model(model_cfg, datamodule)
+    check_shardable(cfg.strategy.name, model, task.sharded_blocks)
     if weights:
         checkpoint.load_weights(model, weights, Path(cfg.weights_from).name)
     if start.ckpt_path and Path(start.ckpt_path).parent == out / "checkpoints":  # moot warning

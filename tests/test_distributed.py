@@ -22,7 +22,7 @@ from mlflow import MlflowClient
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from src.template.distributed import WatchedDDPStrategy, shard
+from src.template.distributed import WatchedDDPStrategy, check_shardable, shard
 from src.template.resume import GlobalBatchSampler
 from src.template.trainer import build_trainer
 from tests.conftest import (
@@ -420,7 +420,37 @@ def test_sync_batchnorm_on_cpu_warns_and_trains(tiny_root: Path, tmp_path: Path)
 
 def test_fsdp_refuses_parameters_outside_the_sharded_blocks() -> None:
     """A module holding parameters outside every unit would fail at the first resume (Lightning
-    loads a gathered checkpoint unit by unit): refused up front, naming it and the fix."""
+    loads a gathered checkpoint unit by unit): refused, naming it and the fix."""
     net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 10))
     with pytest.raises(ConfigError, match=r"1 \(BatchNorm2d\) hold parameters outside the"):
         shard(net, mesh=None, blocks=(nn.Conv2d, nn.Linear))
+    check_shardable("ddp", net, (nn.Conv2d, nn.Linear))  # only strategy=fsdp shards
+
+
+# src.train with the shipped task, but its sharded_blocks leave BatchNorm out.
+WITHOUT_BATCHNORM_BLOCKS = """
+import dataclasses, runpy, sys
+from torch import nn
+import src.task
+src.task.TASK = dataclasses.replace(src.task.TASK, sharded_blocks=(nn.Conv2d, nn.Linear))
+sys.argv = ["src.train", *sys.argv[1:]]
+runpy.run_module("src.train", run_name="__main__")
+"""
+
+
+def test_an_unshardable_model_is_refused_before_any_run_or_rank(
+    tiny_root: Path, tmp_path: Path
+) -> None:
+    command = [sys.executable, "-c", WITHOUT_BATCHNORM_BLOCKS, *tiny_overrides(tiny_root)]
+    command += ["strategy=fsdp", "devices=2", f"paths.root_dir={tmp_path}"]
+    env = {**os.environ, "PYTHONPATH": str(PROJECT)}
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert errors == [
+        "Error: strategy=fsdp: net.features.1, net.features.5 (BatchNorm2d) hold "
+        "parameters outside the sharded blocks ['Conv2d', 'Linear']; add its type to them "
+        "(Task.sharded_blocks and the task's configure_model)"
+    ], proc.stderr[-3000:]
+    assert "Initializing distributed" not in proc.stderr + proc.stdout, "no rank was started"
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "outputs").exists()

@@ -20,6 +20,7 @@ TASK = Task(
     monitor="val/acc",
     mode="max",
     errors=(UnknownNetwork,),
+    sharded_blocks=model.SHARDED_BLOCKS,
     export=export.export,
     figures=report.figures,
     predictions=report.predictions,

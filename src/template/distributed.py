@@ -115,19 +115,17 @@ class WatchedFSDPStrategy(WatchedRanks, ModelParallelStrategy):
                 torch.distributed.broadcast(buffer, src=0)
 
 
-def shard(module: nn.Module, mesh: Any, blocks: tuple[type[nn.Module], ...]) -> None:
-    """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel
-    ranks of ``mesh``, the LightningModule's ``device_mesh`` (FSDP2):
-    each submodule of a type in ``blocks`` is its own unit, gathered just before it runs and
-    freed after. Call it from ``configure_model``: Lightning calls that for each stage (fit,
-    then test), and a sharded module is left as it is.
+def check_shardable(strategy: str, module: nn.Module, blocks: tuple[type[nn.Module], ...]) -> None:
+    """Under strategy=fsdp, refuse before a run or a rank exists a ``module`` that :func:`shard`
+    would refuse in every rank: one with parameters outside ``blocks`` (``Task.sharded_blocks``)."""
+    if strategy == "fsdp":
+        sharded_units(module, blocks)
 
-    Every module holding parameters of its own must be a unit or inside one: Lightning loads a
-    gathered checkpoint unit by unit, and fails on parameters the network's root holds."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    if isinstance(module, FSDPModule):
-        return
+def sharded_units(module: nn.Module, blocks: tuple[type[nn.Module], ...]) -> list[nn.Module]:
+    """The submodules of ``module`` of a type in ``blocks``, each sharded as one unit. Every
+    module holding parameters of its own must be one or inside one: Lightning loads a gathered
+    checkpoint unit by unit, and fails on parameters outside them (the network's root too)."""
     units = [sub for sub in module.modules() if sub is not module and isinstance(sub, blocks)]
     inside = {id(part) for unit in units for part in unit.modules()}
     if loose := [
@@ -138,8 +136,23 @@ def shard(module: nn.Module, mesh: Any, blocks: tuple[type[nn.Module], ...]) -> 
         kinds = sorted({type(module.get_submodule(name)).__name__ for name in loose})
         raise ConfigError(
             f"strategy=fsdp: {', '.join(loose)} ({', '.join(kinds)}) hold parameters outside "
-            f"the sharded blocks {[kind.__name__ for kind in blocks]}; add its type to them"
+            f"the sharded blocks {[kind.__name__ for kind in blocks]}; add its type to them "
+            "(Task.sharded_blocks and the task's configure_model)"
         )
+    return units
+
+
+def shard(module: nn.Module, mesh: Any, blocks: tuple[type[nn.Module], ...]) -> None:
+    """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel
+    ranks of ``mesh``, the LightningModule's ``device_mesh`` (FSDP2): each submodule of a type
+    in ``blocks`` is its own unit (:func:`sharded_units`), gathered just before it runs and
+    freed after. Call it from ``configure_model``: Lightning calls that for each stage (fit,
+    then test), and a sharded module is left as it is."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(module, FSDPModule):
+        return
+    units = sharded_units(module, blocks)
     if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
         # The strategy's mesh is 2-D (data x tensor parallel); given whole, fully_shard would
         # replicate over the ranks and shard over the tensor-parallel dimension, of size 1.

@@ -44,6 +44,10 @@ class Task:
     monitor: str  # the validation metric that picks the best checkpoint
     mode: str  # "max" if higher is better, else "min"
     errors: tuple[type[Exception], ...] = ()  # bad input: shown as one line, no traceback
+    # strategy=fsdp: the submodule types the model's configure_model shards as units (with
+    # src/template/distributed.py's shard); a model with parameters outside them is refused
+    # before any run or rank exists.
+    sharded_blocks: tuple[type[nn.Module], ...] = ()
     # The served model (None: jobs log no MLflow model).
     export: Callable[[L.LightningModule, L.LightningDataModule], ModelExport] | None = None
     # Figures of the test split, written by rank 0 after testing; their paths.
