@@ -247,10 +247,10 @@ def eval_loop(root: Path, name: str, devices: int, sampler: str, workdir: Path) 
 # --- 6. the whole default job
 
 
-def whole_job(root: Path, workdir: Path) -> tuple[float, float]:
-    run_dir = workdir / "job"
-    command = [sys.executable, "-m", "src.train", "data=fashion_mnist", f"data.root={root}"]
-    command += ["logger=none", "callbacks.progress_bar=none", f"hydra.run.dir={run_dir}"]
+def timed_job(overrides: list[str], run_dir: Path, workdir: Path) -> tuple[float, float]:
+    """Wall seconds and test accuracy of ``python -m src.train overrides`` (no logger, no bar)."""
+    command = [sys.executable, "-m", "src.train", *overrides, "logger=none"]
+    command += ["callbacks.progress_bar=none", f"hydra.run.dir={run_dir}"]
     start = time.perf_counter()
     subprocess.run(
         command,
@@ -261,6 +261,11 @@ def whole_job(root: Path, workdir: Path) -> tuple[float, float]:
     )
     seconds = time.perf_counter() - start
     return seconds, json.loads((run_dir / "metrics.json").read_text())["test/acc"]
+
+
+def whole_job(root: Path, workdir: Path) -> tuple[float, float]:
+    run_dir = Path(tempfile.mkdtemp(dir=workdir, prefix="job"))  # one per repetition
+    return timed_job(["data=fashion_mnist", f"data.root={root}"], run_dir, workdir)
 
 
 # --- 8. accelerated: data resident on the device, bf16, channels_last, torch.compile
@@ -322,29 +327,8 @@ def time_to_accuracy(
     accuracy reaches ``target``: (seconds, epochs, accuracy); NaN seconds if none does."""
     accuracy = 0.0
     for epochs in range(1, max_epochs + 1):
-        run_dir = workdir / f"to-accuracy-{epochs}"
-        command = [
-            sys.executable,
-            "-m",
-            "src.train",
-            f"data={name}",
-            f"data.root={root}",
-            *overrides,
-            f"trainer.max_epochs={epochs}",
-            "logger=none",
-            "callbacks.progress_bar=none",
-            f"hydra.run.dir={run_dir}",
-        ]
-        start = time.perf_counter()
-        subprocess.run(
-            command,
-            cwd=workdir,
-            check=True,
-            capture_output=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        seconds = time.perf_counter() - start
-        accuracy = json.loads((run_dir / "metrics.json").read_text())["test/acc"]
+        data = [f"data={name}", f"data.root={root}", *overrides, f"trainer.max_epochs={epochs}"]
+        seconds, accuracy = timed_job(data, workdir / f"to-accuracy-{epochs}", workdir)
         if accuracy >= target:
             return seconds, epochs, accuracy
     return math.nan, max_epochs, accuracy
