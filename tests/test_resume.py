@@ -3,6 +3,7 @@ step by ``tests/signal_at_step``), by ``max_steps`` or by SIGKILL after a step c
 resumed; the result must equal an uninterrupted job's."""
 
 import json
+import math
 import os
 import shlex
 import sys
@@ -223,6 +224,10 @@ def test_auto_starts_fresh_in_the_run_it_opened_and_never_repeats_a_finished_job
     assert "exists and is not empty" not in longer.stderr, "Lightning's warning, moot here"
     trained = torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)
     assert trained["global_step"] == expected["global_step"] + STEPS_PER_EPOCH
+    # The added epoch trains on the cosine over the new length (a restored CosineAnnealingLR had
+    # reached 0 at the old length and stayed there).
+    cosine = 0.5 * (1 + math.cos(math.pi * EPOCHS / (EPOCHS + 1)))
+    assert points["train/lr"][-1] == (EPOCHS, pytest.approx(0.01 * cosine))
 
 
 def folder_contents(folder: Path) -> dict[Path, bytes]:

@@ -4,6 +4,7 @@ Every reported number comes from a torchmetrics state, so under DDP it is synced
 ``compute()`` (sums of per-sample values and counts) instead of averaging per-rank means.
 """
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -139,11 +140,20 @@ class ImageClassifier(L.LightningModule):
         self._step(batch, "test")
 
     def on_train_start(self) -> None:
-        # The learning rate of the epoch training starts in (also one resumed mid-way, whose
-        # on_train_epoch_start does not run again); the scheduler steps at each epoch end.
-        self.epoch_lr = self.optimizers().param_groups[0]["lr"]
+        """This epoch's lr from the schedule: a resumed job's optimizer holds the lr its
+        checkpoint's schedule gave, and one lengthened on resume (trainer.max_epochs raised)
+        would train its added epochs at the old schedule's end, lr 0. Then the epoch's lr is
+        noted, as each epoch start does (a job resumed mid-epoch does not run that again)."""
+        scheduler = self.lr_schedulers()
+        for group, factor in zip(
+            scheduler.optimizer.param_groups, scheduler.lr_lambdas, strict=True
+        ):
+            group["lr"] = group["initial_lr"] * factor(scheduler.last_epoch)
+        self.on_train_epoch_start()
 
-    on_train_epoch_start = on_train_start
+    def on_train_epoch_start(self) -> None:
+        # The learning rate of this epoch; the scheduler steps at each epoch end.
+        self.epoch_lr = self.optimizers().param_groups[0]["lr"]
 
     def on_train_epoch_end(self) -> None:
         self._log_epoch("train")
@@ -180,10 +190,15 @@ class ImageClassifier(L.LightningModule):
         optimizer = torch.optim.AdamW(
             self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
         )
-        # Cosine decay over the planned epochs; per-epoch, so a resumed run restores it exactly.
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
-            optimizer, T_max=max(1, self.trainer.max_epochs or 1)
-        )
+        # Cosine decay over trainer.max_epochs, per epoch: a resumed run restores it exactly. It
+        # is computed from the epoch (not stepped from the last lr, as CosineAnnealingLR does),
+        # so a job lengthened on resume decays over its new length (see on_train_start).
+        epochs = max(1, self.trainer.max_epochs or 1)
+
+        def cosine(epoch: int) -> float:  # the share of model.lr for ``epoch``
+            return 0.5 * (1 + math.cos(math.pi * min(epoch, epochs) / epochs))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"},
