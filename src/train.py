@@ -83,7 +83,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         best = trainer.checkpoint_callback.best_model_path or str(out / "checkpoints/last.ckpt")
         tested = trainer.test(model, datamodule=datamodule, ckpt_path=best, verbose=False)[0]
         metrics.update(tested)
-        reporting.report_metrics(metrics, out)
+        reporting.report_metrics(metrics, out, best_checkpoint=best)
         model = checkpoint.whole_model(model, best, task)  # rank 0: FSDP's weights, gathered
         figures = reporting.figures(task, model, datamodule, out / "figures")
         tracking.log_outcome(loggers, datamodule, out, best, figures)

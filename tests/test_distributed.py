@@ -288,6 +288,8 @@ def test_two_ranks_train_the_same_weights_as_one(tiny_root: Path, tmp_path: Path
         )
         weights[name] = final_weights(run_dir)
         assert read_metrics(run_dir)["train/samples"] == (N_TRAIN - VAL_SIZE) // 32 * 32
+        sharded = "fit: backend gloo (FSDP: sharded), " in (run_dir / "train.log").read_text()
+        assert sharded == (name == "2-fsdp"), "each rank's log says whether it shards"
     for name, value in weights[1].items():
         for other in (2, "2-resident", "2-fsdp"):
             torch.testing.assert_close(weights[other][name], value, atol=1e-5, rtol=1e-4, msg=name)

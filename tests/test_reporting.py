@@ -50,6 +50,8 @@ def test_a_run_and_a_sweep_job_print_a_screenful_and_keep_the_rest(
     assert len(single) <= 40, "\n".join(single)
     assert not [line for line in single if "srun" in line or "Tip:" in line or "LeafSpec" in line]
     (out,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
+    best = [line for line in single if line.startswith("best checkpoint: ")]
+    assert len(best) == 1 and Path(best[0].split(": ", 1)[1]).parent == out / "checkpoints", best
     assert "model:" in (out / "config.yaml").read_text()
     assert "Total params" in (out / "model_summary.txt").read_text()
     sweep = run_entry("train", "-m", *tiny_overrides(tiny_root), "model.lr=0.01,0.02", cwd=tmp_path)

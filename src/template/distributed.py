@@ -276,14 +276,15 @@ class LogRankSetup(Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         log.info(
-            "rank %d/%d (node %d, local %d) %s: backend %s, %d CPU threads, per-device batch %s, "
-            "hyperparameters md5 %s",
+            "rank %d/%d (node %d, local %d) %s: backend %s%s, %d CPU threads, per-device batch "
+            "%s, hyperparameters md5 %s",
             trainer.global_rank,
             trainer.world_size,
             trainer.node_rank,
             trainer.local_rank,
             getattr(stage, "value", stage),
             getattr(trainer.strategy, "process_group_backend", None) or "none",
+            " (FSDP: sharded)" if isinstance(trainer.strategy, WatchedFSDPStrategy) else "",
             torch.get_num_threads(),
             getattr(trainer.datamodule, "per_device_batch_size", None),
             hparams_digest(pl_module.hparams),

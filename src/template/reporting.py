@@ -182,8 +182,11 @@ def figures(task: Task, model: L.LightningModule, datamodule: Any, out_dir: Path
 
 
 @rank_zero_only
-def report_metrics(metrics: Mapping[str, float], output_dir: str | Path) -> None:
-    """Print a results table and write ``metrics.json``: a flat object of final metric values."""
+def report_metrics(
+    metrics: Mapping[str, float], output_dir: str | Path, best_checkpoint: str | None = None
+) -> None:
+    """Print a results table and write ``metrics.json``: a flat object of final metric values;
+    after training, say which checkpoint they test (what eval, predict and serving start from)."""
     table = Table("metric", "value", title="Results")
     for name, value in sorted(metrics.items()):
         table.add_row(name, f"{value:.6g}")
@@ -191,6 +194,8 @@ def report_metrics(metrics: Mapping[str, float], output_dir: str | Path) -> None
     path = Path(output_dir) / "metrics.json"
     path.write_text(json.dumps(dict(sorted(metrics.items())), indent=2) + "\n")
     console.print(f"metrics written to {path}", soft_wrap=True)
+    if best_checkpoint:
+        console.print(f"best checkpoint: {best_checkpoint}", soft_wrap=True)
 
 
 @rank_zero_only
