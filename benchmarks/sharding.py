@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from pathlib import Path
 import lightning.pytorch as L
 import torch
 from torch.distributed.tensor import DTensor
+
+from benchmarks.run import summary, synchronize
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -57,13 +58,13 @@ class RankMemory(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == self.warmup:
-            synchronize(pl_module.device)
+            synchronize(pl_module.device.type)
             self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx != self.warmup + self.steps - 1:
             return
-        synchronize(pl_module.device)
+        synchronize(pl_module.device.type)
         seconds = time.perf_counter() - self.start
         parameters = list(pl_module.parameters())
         gradients = [p.grad for p in parameters if p.grad is not None]
@@ -83,11 +84,6 @@ class RankMemory(L.Callback):
             "steps_per_s": self.steps / seconds,
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures))
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def job(strategy: str, devices: int, hidden: int, steps: int, data: list[str], workdir: Path):
@@ -120,10 +116,6 @@ def job(strategy: str, devices: int, hidden: int, steps: int, data: list[str], w
     if proc.returncode or len(reports) != devices:
         raise RuntimeError(f"{strategy} job failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return [json.loads(report.read_text()) for report in reports]
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def measure(workdir: Path, tiny: bool, repeats: int) -> dict[str, dict]:

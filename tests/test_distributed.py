@@ -36,6 +36,7 @@ from tests.conftest import (
     processes_with_env,
     read_metrics,
     run_entry,
+    run_job,
     tiny_overrides,
     wait_for_file,
 )
@@ -446,7 +447,7 @@ def test_an_unshardable_model_is_refused_before_any_run_or_rank(
     command = [sys.executable, "-c", WITHOUT_BATCHNORM_BLOCKS, *tiny_overrides(tiny_root)]
     command += ["strategy=fsdp", "devices=2", f"paths.root_dir={tmp_path}"]
     env = {**os.environ, "PYTHONPATH": str(PROJECT)}
-    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    proc = run_job(command, cwd=tmp_path, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
     assert errors == [
