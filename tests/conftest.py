@@ -8,6 +8,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -267,6 +268,20 @@ def job_factory(tiny_root: Path, tmp_path: Path) -> Iterator:
     yield start
     for job in jobs:
         job.kill_all()
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint's contents; a sharded folder (strategy=fsdp) as ``src.consolidate`` makes it
+    one file (optimizer states keyed as torch's own)."""
+    import torch  # here: the daily tests that need no checkpoint start faster
+
+    from src.template.sharded import consolidate
+
+    if not path.is_dir():
+        return torch.load(path, weights_only=True)
+    with tempfile.TemporaryDirectory() as folder:
+        consolidate(path, Path(folder) / "whole.ckpt")
+        return torch.load(Path(folder) / "whole.ckpt", weights_only=True)
 
 
 def read_metrics(run_dir: Path) -> dict[str, float]:

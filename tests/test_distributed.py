@@ -32,6 +32,7 @@ from tests.conftest import (
     VAL_SIZE,
     assert_rank_logs,
     assert_same_metrics,
+    load_checkpoint,
     only_run,
     processes_with_env,
     read_metrics,
@@ -253,7 +254,7 @@ def test_four_ranks_log_one_mlflow_run_and_use_their_share_of_cores(
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    return load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
 
 
 @pytest.mark.slow
@@ -271,7 +272,7 @@ def test_two_ranks_train_the_same_weights_as_one(tiny_root: Path, tmp_path: Path
     ]
     weights = {}
     # The third job slices its batches from data copied once to the device (data.device_resident);
-    # the fourth shards weights, gradients and optimizer state (FSDP2), its checkpoint gathered.
+    # the fourth shards weights, gradients and optimizer state (FSDP2) and its checkpoint.
     for name, devices, more in (
         (1, 1, ["strategy=ddp"]),
         (2, 2, ["strategy=ddp"]),

@@ -90,6 +90,9 @@ SKIPPED: dict[str, str] = {
     "of these tests with TEMPLATE_DATA_DIR set to another folder and checks it looks there",
     r"^sky\b": "needs a cloud account; tests/test_sky.py runs sky/train.yaml's run: section on "
     "this host as 2 nodes x 1 process",
+    r"^python -m src\.consolidate\b": "needs the sharded checkpoint of a 2-rank FSDP job: "
+    "tests/test_sharded.py::test_fsdp_checkpoint_folders_resume_on_one_rank_evaluate_and_"
+    "consolidate consolidates one and evaluates the file",
     r"^kubectl\b": "needs a Kubernetes cluster; tests/test_k8s.py validates the manifest against "
     "the JobSet resource schema and runs its container command on this host as 2 pods",
     r"^docker\b": "no Docker engine here or on CI; IMAGE_TEST=1 tests/test_tooling.py::"

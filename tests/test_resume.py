@@ -18,6 +18,7 @@ from tests.conftest import (
     N_TRAIN,
     PROJECT,
     VAL_SIZE,
+    load_checkpoint,
     read_metrics,
     run_entry,
     run_job,
@@ -94,7 +95,7 @@ CASES = {
         16,
         "KILLED",
     ),
-    # Sharded (strategy=fsdp): its checkpoint gathered into one file, resumed onto the shards.
+    # Sharded (strategy=fsdp): each rank writes its shard of last.ckpt/, and loads it back.
     "fsdp-sigterm-mid-epoch-2-ranks": (
         2,
         ["callbacks.stop_check_every_n_steps=3"],
@@ -140,7 +141,7 @@ def test_stopped_and_resumed_equals_uninterrupted(
     ]
     assert stopped_job(tmp_path, args, signal_at) == code
     last = tmp_path / "run/checkpoints/last.ckpt"
-    saved = torch.load(last, weights_only=True)
+    saved = load_checkpoint(last)
     assert saved["global_step"] == stop_step, "stopped at another step than asked"
     assert (stop_step % STEPS_PER_EPOCH == 0) == ("epoch-end" in case), "mid-epoch as named"
     assert not list(last.parent.glob(".*.tmp")), "no temporary checkpoint left behind"
@@ -153,8 +154,8 @@ def test_stopped_and_resumed_equals_uninterrupted(
     run_entry("train", *resumed_args, *resume, f"hydra.run.dir={resumed_dir}", cwd=tmp_path)
 
     expected_dir = reference(devices, strategy)
-    expected = torch.load(expected_dir / "run/checkpoints/last.ckpt", weights_only=True)
-    resumed = torch.load(resumed_dir / "checkpoints/last.ckpt", weights_only=True)
+    expected = load_checkpoint(expected_dir / "run/checkpoints/last.ckpt")
+    resumed = load_checkpoint(resumed_dir / "checkpoints/last.ckpt")
     for part in ("epoch", "global_step", "state_dict", "optimizer_states", "lr_schedulers"):
         assert_same_tensors(resumed[part], expected[part], part)
     expected_metrics = read_metrics(expected_dir / "run")

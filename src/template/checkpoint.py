@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torchmetrics import Metric
 
+from src.template import sharded
 from src.template.config import flatten
 from src.template.files import copy_atomically, write_atomically
 from src.template.resume import epoch_finished
@@ -39,7 +40,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None
     ) -> None:
-        write_atomically(Path(path), lambda file: torch.save(checkpoint, file))
+        path = Path(path)
+        if not sharded.is_sharded_checkpoint(path):
+            write_atomically(path, lambda file: torch.save(checkpoint, file))
+            return
+        # A job resumed from a consolidated sharded checkpoint, in its folder: a file for it.
+        staging = sharded.staging_folder(path)
+        write_atomically(staging, lambda file: torch.save(checkpoint, file))
+        sharded.swap_in(staging, path)
 
 
 class EpochEndCheckpoint(ModelCheckpoint):
@@ -58,19 +66,37 @@ class EpochEndCheckpoint(ModelCheckpoint):
 
 class BestCheckpoint(EpochEndCheckpoint):
     """Top-k checkpointing that survives a resume into another folder: the best files so far
-    are copied there and tracked as if written there (Lightning would forget them)."""
+    are copied there and tracked as if written there (Lightning would forget them). Sharded
+    folders become files for a job that writes files (its strategy could not read them)."""
+
+    writes_folders = False  # strategy=fsdp with sharded_checkpoints: the best are folders
+
+    def keep(self, source: Path, target: Path) -> None:
+        """A best checkpoint of the job resumed, at ``target`` (``source`` itself, or a copy)
+        in the form this job writes and reads: a sharded folder made one file where needed."""
+        if sharded.is_sharded_checkpoint(source) and not self.writes_folders:
+            sharded.consolidate(source, target)
+        elif sharded.is_sharded_checkpoint(source):
+            sharded.copy_sharded(source, target)
+        elif source != target:
+            copy_atomically(source, target)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # before Lightning restores the callbacks
+        self.writes_folders = getattr(trainer.strategy, "sharded_checkpoints", False)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         old = state_dict.get("dirpath")
         new = self.dirpath
         best = state_dict.get("best_k_models", {})
-        if old and new and old != new and all(Path(path).is_file() for path in best):
-            moved = {path: str(Path(new) / Path(path).name) for path in best}
-            # Lightning restores callbacks again from the best file at test time, while other
-            # ranks read that file: never rewrite it in place.
-            if rank_zero_only.rank == 0:
-                for source, target in moved.items():
-                    copy_atomically(Path(source), Path(target))
+        moving = old and new and old != new and all(Path(path).exists() for path in best)
+        moved = {path: str(Path(new) / Path(path).name) if moving else path for path in best}
+        # Lightning restores callbacks again from the best file at test time, while other
+        # ranks read that file: never rewrite it in place (it is a file by then).
+        if rank_zero_only.rank == 0:
+            for source, target in moved.items():
+                self.keep(Path(source), Path(target))
+        if moving:
             state_dict = {
                 **state_dict,
                 "dirpath": new,
@@ -119,18 +145,38 @@ def save_last(trainer: L.Trainer) -> None:
 
 
 def resume_path(ckpt_path: str | None, output_dir: Path) -> str | None:
-    """``ckpt_path=auto``: the folder's ``last.ckpt`` if a job there wrote one, else None."""
+    """``ckpt_path=auto``: the folder's ``last.ckpt`` (a file, or a sharded folder) if a job
+    there wrote one, else None."""
     if ckpt_path != "auto":
         return ckpt_path
     last = output_dir / "checkpoints" / "last.ckpt"
-    return str(last) if last.is_file() else None
+    # The second: a sharded last.ckpt moved aside by a job killed while swapping in its next.
+    for found in (last, sharded.replaced_folder(last)):
+        if found.is_file() or sharded.is_sharded_checkpoint(found):
+            return str(found)
+    return None
 
 
-def read_checkpoint(ckpt_path: str | None) -> dict[str, Any]:
-    """The contents of a checkpoint written by ``src.train``, or a one-line reason it is not."""
+def read_checkpoint(ckpt_path: str | None, weights: bool = True) -> dict[str, Any]:
+    """The contents of a checkpoint written by ``src.train``, or a one-line reason it is not. A
+    sharded folder is read whole (``weights=False``: shapes only, to check it fits a job)."""
     if not ckpt_path:
         raise CheckpointError(
             "ckpt_path is required, e.g. ckpt_path=outputs/train/runs/<time>/checkpoints/last.ckpt"
+        )
+    if sharded.is_sharded_checkpoint(ckpt_path):
+        try:
+            return sharded.read_sharded(Path(ckpt_path), weights)
+        except Exception as error:
+            reason = shorten(str(error).strip().splitlines()[0] if str(error).strip() else "")
+            raise CheckpointError(
+                f"ckpt_path={ckpt_path} is not a readable sharded checkpoint "
+                f"({reason or type(error).__name__}); pass a checkpoint written by src.train"
+            ) from None
+    if Path(ckpt_path).is_dir():
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path} is a folder but not a sharded checkpoint (no "
+            f"{sharded.META_FILE}); pass a .ckpt written by src.train"
         )
     if not Path(ckpt_path).is_file():
         raise CheckpointError(f"ckpt_path={ckpt_path}: no such file")
@@ -296,6 +342,16 @@ class JobRecord(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         checkpoint["job"] = self.job
+
+
+def check_strategy(ckpt_path: str, strategy: str) -> None:
+    """Only FSDP loads a sharded folder shard by shard; any strategy takes its one file."""
+    if strategy != "fsdp" and sharded.is_sharded_checkpoint(ckpt_path):
+        raise CheckpointError(
+            f"{Path(ckpt_path).name} is a sharded checkpoint folder (written under strategy=fsdp); "
+            f"resume it with strategy=fsdp, or make it one file first: "
+            f"python -m src.consolidate {ckpt_path}"
+        )
 
 
 def check_same_job(saved: Mapping[str, Any], cfg: DictConfig, ckpt_path: str) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from src.template.config import is_count
 from src.template.private import SubprocessScriptLauncher, set_num_threads_if_needed
+from src.template.sharded import save_swapped
 from src.template.shutdown import LAUNCHER_PID_ENV, watch_launcher, watch_ranks
 
 log = logging.getLogger(__name__)
@@ -92,18 +93,39 @@ class WatchedFSDPStrategy(WatchedRanks, ModelParallelStrategy):
     """Fully sharded data parallel: Lightning's ``ModelParallelStrategy`` with all ``ranks`` in
     one data-parallel group (no tensor parallelism), so the task's ``configure_model`` shards
     with torch's ``fully_shard`` (FSDP2) over all ranks (:func:`shard`); watched like DDP.
-    Checkpoints are gathered into the one file DDP writes (``save_distributed_checkpoint``
-    off): every check, eval, predict and export reads them unchanged."""
+    Checkpoints are folders where each rank writes its shard, swapped in whole
+    (:mod:`~src.template.sharded`), or, with ``sharded_checkpoints`` off, gathered by rank 0
+    into the one file DDP writes."""
 
-    def __init__(self, watch_s: float, exit_grace_s: float, ranks: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        watch_s: float,
+        exit_grace_s: float,
+        ranks: int,
+        sharded_checkpoints: bool,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(
             watch_s,
             exit_grace_s,
             data_parallel_size=ranks,
             tensor_parallel_size=1,
-            save_distributed_checkpoint=False,
+            save_distributed_checkpoint=sharded_checkpoints,
             **kwargs,
         )
+        self.sharded_checkpoints = sharded_checkpoints
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None
+    ) -> None:
+        """Lightning's save; a sharded folder is written beside its place and swapped in whole
+        once every rank wrote its shard (Lightning writes it in place)."""
+        if not self.sharded_checkpoints:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(str(filepath)))
+        save = super().save_checkpoint
+        save_swapped(path, lambda staging: save(checkpoint, staging, storage_options), self.barrier)
+        return None
 
     def on_validation_start(self) -> None:
         """Every rank validates with rank 0's buffers (BatchNorm's running statistics), as under

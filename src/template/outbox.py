@@ -34,6 +34,7 @@ WRITES: dict[str, tuple[str, ...]] = {
     "update_run": ("status", "name"),
     "set_terminated": ("status", "end_time"),
     "log_artifact": ("local_path", "artifact_path"),
+    "log_artifacts": ("local_dir", "artifact_path"),  # a folder: a sharded checkpoint
     "log_inputs": ("datasets",),
 }
 # Record kinds beyond the client's own calls: name -> (the names of their arguments after the

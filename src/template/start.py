@@ -37,7 +37,8 @@ def where_to_start(cfg: DictConfig, out: Path, ran_before: bool) -> Start:
         if auto:
             say_auto_started_fresh(out)
         return Start(auto=auto)
-    saved = checkpoint.read_checkpoint(ckpt_path)
+    checkpoint.check_strategy(ckpt_path, cfg.strategy.name)
+    saved = checkpoint.read_checkpoint(ckpt_path, weights=False)  # its weights: fit loads them
     checkpoint.check_same_job(saved, cfg, ckpt_path)
     finished_run = finished_job_run(saved, cfg, ckpt_path)
     folder = Path(ckpt_path).parent.parent

@@ -116,7 +116,7 @@ def resume_folder(argv: Sequence[str]) -> Path | None:
         return None
     ckpt = Path(paths[-1]).absolute()
     folder = ckpt.parent.parent
-    if ckpt.suffix != ".ckpt" or ckpt.parent.name != "checkpoints" or not ckpt.is_file():
+    if ckpt.suffix != ".ckpt" or ckpt.parent.name != "checkpoints" or not ckpt.exists():
         return None
     if not (folder / ".hydra").is_dir() or job_finished(folder):
         return None

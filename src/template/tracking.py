@@ -396,7 +396,8 @@ def log_outcome(
     figures: list[Path],
 ) -> None:
     """After training: the data read (as MLflow dataset inputs: split, size, digest), the config,
-    metrics, best checkpoint (it loads with ``weights_only=True``) and test figures."""
+    metrics, best checkpoint (it loads with ``weights_only=True``; a sharded one is a folder)
+    and test figures."""
     if (logger := mlflow_logger(loggers)) is None:
         return
     from mlflow.entities import Dataset, DatasetInput, InputTag  # not imported by other loggers
@@ -414,7 +415,11 @@ def log_outcome(
     files += [("checkpoints", Path(best_checkpoint))] if best_checkpoint else []
     files += [("figures", path) for path in figures]
     for folder, path in files:
-        logger.experiment.log_artifact(logger.run_id, str(path), artifact_path=folder)
+        if path.is_dir():
+            folder = f"{folder}/{path.name}"
+            logger.experiment.log_artifacts(logger.run_id, str(path), artifact_path=folder)
+        else:
+            logger.experiment.log_artifact(logger.run_id, str(path), artifact_path=folder)
 
 
 @rank_zero_only

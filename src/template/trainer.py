@@ -191,7 +191,8 @@ def build_trainer(
         unused = cfg.strategy.find_unused_parameters
         strategy = WatchedDDPStrategy(**launch, find_unused_parameters=unused)
     elif strategy == "fsdp":
-        strategy = WatchedFSDPStrategy(**launch, ranks=processes)
+        sharded = cfg.strategy.sharded_checkpoints
+        strategy = WatchedFSDPStrategy(**launch, ranks=processes, sharded_checkpoints=sharded)
     settings = OmegaConf.to_container(cfg.trainer, resolve=True)
     settings["profiler"] = settings.get("profiler") or NoProfiler()  # null: no cost per hook
     if isinstance(strategy, WatchedFSDPStrategy):  # FSDP2 fails to gather weights under
