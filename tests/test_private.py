@@ -82,3 +82,14 @@ def test_litdatas_internals_that_data_shards_uses_for_remote_reads() -> None:
     ]
     assert "self.on_demand_bytes" in inspect.getsource(StreamingDataset)
     assert _convert_bytes_to_int("10GB") == 10**10 and _convert_bytes_to_int("1.5MB") == 1_500_000
+
+
+def test_lightnings_sharded_checkpoint_layout_is_the_one_sharded_reads() -> None:
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    from src.template.sharded import META_FILE
+
+    assert _METADATA_FILENAME == META_FILE
+    source = inspect.getsource(ModelParallelStrategy.save_checkpoint)
+    assert '{"state_dict": checkpoint.pop("state_dict")}' in source
+    assert 'f"optimizer_{idx}": optim_state' in source

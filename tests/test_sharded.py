@@ -174,6 +174,15 @@ def test_fsdp_checkpoint_folders_resume_on_one_rank_evaluate_and_consolidate(
         "Error: last.ckpt is a sharded checkpoint folder (written under strategy=fsdp); resume "
         f"it with strategy=fsdp, or make it one file first: python -m src.consolidate {last}"
     )
+    # The one-file path's checks read the folder's meta.pt and shapes: another job's settings,
+    # another network's weights.
+    for more, error in (
+        (f"ckpt_path={last}", "Error: last.ckpt was trained with model.net.hidden=32 (here 64); "),
+        (f"weights_from={last}", "Error: last.ckpt does not fit this model: layer "),
+    ):
+        proc = run_entry("train", *same, "model.net.hidden=64", more, cwd=tmp_path, check=False)
+        assert proc.returncode == 1
+        assert proc.stderr.strip().splitlines()[-1].startswith(error), proc.stderr[-2000:]
     assert not (tmp_path / "outputs").exists()
 
     whole = tmp_path / "whole"

@@ -165,21 +165,22 @@ def test_a_dead_rank_ends_the_srun_job_within_seconds(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("when", ["training", "before-training"])
+@pytest.mark.parametrize("when", ["training", "training-fsdp", "before-training"])
 def test_usr1_requeues_and_the_job_resumes_into_the_same_run(
     when: str, slurm_cluster: None, tiny_root: Path, tmp_path: Path
 ) -> None:
-    """``training``: the stop checkpoints at its step and the requeued job resumes from it.
-    ``before-training``: the run is open but no step ran (every rank pauses in ``setup``, see
-    tests/signal_at_step); the requeued job starts over in that same run."""
+    """``training``: the stop checkpoints at its step and the requeued job resumes from it
+    (``-fsdp``: the sharded folder each rank wrote its part of). ``before-training``: the run is
+    open but no step ran (every rank pauses in ``setup``, see tests/signal_at_step); the
+    requeued job starts over in that same run."""
     epochs = 4
-    args = [*tiny_overrides(tiny_root), f"trainer.max_epochs={epochs}"]
+    strategy = "fsdp" if when.endswith("fsdp") else "ddp"
+    args = [*tiny_overrides(tiny_root), f"trainer.max_epochs={epochs}", f"strategy={strategy}"]
     reference = tmp_path / "reference"
     reference.mkdir()
     run_entry(
         "train",
         *args,
-        "strategy=ddp",
         "devices=2",
         "logger=none",
         "hydra.run.dir=run",
@@ -190,9 +191,9 @@ def test_usr1_requeues_and_the_job_resumes_into_the_same_run(
         env |= {"PYTHONPATH": f"{INSTRUMENT}:{PROJECT}", "PAUSE_IN_SETUP": "120"}
     job = submit(tmp_path, "--gpus-per-node=0", str(SBATCH), *args, env=env)
     run_dir = tmp_path / "outputs" / "train" / "slurm" / job
-    under_way = {"training": "checkpoints/last.ckpt", "before-training": "mlflow_run_id.txt"}
+    under_way = "mlflow_run_id.txt" if when == "before-training" else "checkpoints/last.ckpt"
     try:
-        wait_for_file(run_dir / under_way[when])
+        wait_for_file(run_dir / under_way)
         subprocess.run(["scancel", "--signal=USR1", job], check=True)  # as --signal=USR1@90
         state = wait_for_job(job)
     finally:

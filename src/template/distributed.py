@@ -129,9 +129,19 @@ class WatchedFSDPStrategy(WatchedRanks, ModelParallelStrategy):
 
     def on_validation_start(self) -> None:
         """Every rank validates with rank 0's buffers (BatchNorm's running statistics), as under
-        DDP, which copies them from rank 0 before each forward; FSDP leaves them per rank. The
-        checkpoint holds rank 0's either way."""
+        DDP, which copies them from rank 0 before each forward; FSDP leaves them per rank."""
         super().on_validation_start()
+        self.copy_rank_zeros_buffers()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The weights a checkpoint keeps, with rank 0's buffers as under DDP: a sharded one
+        stores one copy of each unsharded tensor, written by whichever rank torch picks.
+        (Training reads no running statistic, and validation takes rank 0's: no result moves.)"""
+        self.copy_rank_zeros_buffers()
+        return super().lightning_module_state_dict()
+
+    def copy_rank_zeros_buffers(self) -> None:
+        """Rank 0's buffers to every rank, in place."""
         if self.world_size > 1:
             for buffer in self.lightning_module.buffers():
                 torch.distributed.broadcast(buffer, src=0)

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from src.template.files import write_atomically
 
-# What Lightning names rank 0's file of everything but weights and optimizer states.
+# What Lightning names rank 0's file of everything but weights and optimizer states (private.py).
 META_FILE = "meta.pt"
 
 
