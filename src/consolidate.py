@@ -17,6 +17,8 @@ from src.template.sharded import consolidate, is_sharded_checkpoint
 
 def consolidated(folder: Path, output: Path | None) -> Path:
     """Write ``folder`` as one file (by default ``<name>.consolidated.ckpt`` beside it)."""
+    if not folder.exists():
+        raise CheckpointError(f"{folder}: no such folder")
     if not is_sharded_checkpoint(folder):
         if folder.is_file():
             raise CheckpointError(
@@ -29,7 +31,10 @@ def consolidated(folder: Path, output: Path | None) -> Path:
     target = output or folder.with_name(f"{folder.stem}.consolidated.ckpt")
     if target.exists():
         raise CheckpointError(f"{target} exists; remove it or choose another with --output FILE")
-    read_checkpoint(str(folder), weights=False)  # one line for a folder it cannot read
+    try:  # one line for a folder it cannot read
+        read_checkpoint(str(folder), weights=False)
+    except CheckpointError as error:
+        raise CheckpointError(str(error).replace(f"ckpt_path={folder}", str(folder))) from None
     consolidate(folder, target)
     return target
 

@@ -34,6 +34,10 @@ def test_what_is_not_a_sharded_folder_is_refused_in_one_line(
     assert main([str(path)]) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1, error
-    expected = "is one file already" if what == "file" else "is not a sharded checkpoint folder"
-    assert error.startswith(f"Error: {path} {expected}"), error
+    expected = {
+        "file": "is one file already",
+        "folder": "is not a sharded checkpoint folder",
+        "missing": ": no such folder",
+    }[what]
+    assert error.startswith(f"Error: {path}{'' if what == 'missing' else ' '}{expected}"), error
     assert sorted(tmp_path.iterdir()) == ([path] if what != "missing" else [])

@@ -2,6 +2,8 @@
 an upgrade that renames or reshapes one fails here, loudly, not in a job."""
 
 import inspect
+import warnings
+from pathlib import Path
 
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
@@ -93,3 +95,14 @@ def test_lightnings_sharded_checkpoint_layout_is_the_one_sharded_reads() -> None
     source = inspect.getsource(ModelParallelStrategy.save_checkpoint)
     assert '{"state_dict": checkpoint.pop("state_dict")}' in source
     assert 'f"optimizer_{idx}": optim_state' in source
+
+
+def test_torchs_shard_index_names_each_file_and_its_extent(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp_path, no_dist=True)
+    (where,) = dcp.FileSystemReader(tmp_path).read_metadata().storage_data.values()
+    assert (tmp_path / where.relative_path).stat().st_size >= where.offset + where.length > 0

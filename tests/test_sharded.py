@@ -132,6 +132,24 @@ def test_a_folder_that_is_not_a_checkpoint_is_refused_in_one_line(tmp_path: Path
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("damage", ["missing", "cut short"])
+def test_a_lost_or_cut_shard_is_refused_in_one_line_before_any_tensor_is_read(
+    damage: str, tmp_path: Path
+) -> None:
+    net, optimizer = trained_pair()
+    write_sharded(tmp_path / "last.ckpt", net, optimizer)
+    (shard,) = (tmp_path / "last.ckpt").glob("*.distcp")
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError) as error:
+        read_checkpoint(str(tmp_path / "last.ckpt"), weights=False)
+    prefix = f"ckpt_path={tmp_path / 'last.ckpt'} is not a readable sharded checkpoint "
+    assert str(error.value).startswith(f"{prefix}(its shard {shard.name} is {damage}")
+    assert "\n" not in str(error.value)
+
+
 @pytest.mark.slow
 def test_fsdp_checkpoint_folders_resume_on_one_rank_evaluate_and_consolidate(
     tiny_root: Path, tmp_path: Path

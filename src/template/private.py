@@ -14,7 +14,9 @@ pinned by ``tests/test_private.py``: an upgrade that changes one fails there, lo
 * Lightning's layout of a sharded checkpoint folder (``ModelParallelStrategy.save_checkpoint``
   with ``save_distributed_checkpoint``): ``meta.pt`` (``lightning.fabric.utilities.load.
   _METADATA_FILENAME``) beside torch's shards of ``state_dict`` and ``optimizer_<n>``, read by
-  ``src/template/sharded.py``.
+  ``src/template/sharded.py``; and the entries of torch's ``FileSystemReader.read_metadata().
+  storage_data`` (``_StorageInfo``: ``relative_path``, ``offset``, ``length``), which say what
+  each shard file must hold.
 * MLflow's ``SystemMetricsMonitor`` samplers without its loop, which stops at a failed request
   (``collect_metrics()``, ``aggregate_metrics()``, ``monitors``, ``clear_metrics()``).
 * MLflow's run-context tag registry (``resolve_tags``): an offline run is created by src.sync,

@@ -93,7 +93,9 @@ def read_sharded(path: Path, weights: bool = True) -> dict[str, Any]:
     tensors' shapes only (on the ``meta`` device) and each optimizer's state as ``None``, enough
     to check that it fits a job; ``True``: the weights, read whole into this process."""
     saved = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    check_shards(path, metadata.storage_data)
+    stored = metadata.state_dict_metadata
     device = "cpu" if weights else "meta"
     state_dict = {
         key.removeprefix("state_dict."): torch.empty(
@@ -108,6 +110,23 @@ def read_sharded(path: Path, weights: bool = True) -> dict[str, Any]:
             dcp.load({"state_dict": state_dict}, checkpoint_id=path, no_dist=True)
     optimizers = {key.split(".")[0] for key in stored if key.startswith("optimizer_")}
     return {**saved, "state_dict": state_dict, "optimizer_states": [None] * len(optimizers)}
+
+
+def check_shards(path: Path, storage: dict[Any, Any]) -> None:
+    """Every shard file ``.metadata`` names is there and long enough (a copy cut short, a node
+    whose disk the others did not share): said in one line before any tensor is read."""
+    ends: dict[str, int] = {}
+    for where in storage.values():  # torch's _StorageInfo: file, offset, length (private.py)
+        end = where.offset + where.length
+        ends[where.relative_path] = max(ends.get(where.relative_path, 0), end)
+    for name, end in sorted(ends.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise FileNotFoundError(f"its shard {name} is missing")
+        if shard.stat().st_size < end:
+            raise ValueError(
+                f"its shard {name} is cut short ({shard.stat().st_size} of {end} bytes)"
+            )
 
 
 def consolidate(folder: Path, target: Path) -> None:
