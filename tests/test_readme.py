@@ -89,7 +89,9 @@ SKIPPED: dict[str, str] = {
     "not here; tests/test_data.py::test_real_data_folder_is_taken_from_the_environment runs one "
     "of these tests with TEMPLATE_DATA_DIR set to another folder and checks it looks there",
     r"^sky\b": "needs a cloud account; tests/test_sky.py runs sky/train.yaml's run: section on "
-    "this host as 2 nodes x 1 process",
+    "this host as 2 nodes x 1 process, and sky/tracking-server.yaml's as on its VM",
+    r"^export MLFLOW_AUTH_ADMIN_PASSWORD=\.\.\.": "the admin's password a reader types, for the "
+    "sky commands after it (tests/test_sky.py gives the task its secret)",
     r"^python -m src\.consolidate\b": "needs the sharded checkpoint of a 2-rank FSDP job: "
     "tests/test_sharded.py::test_fsdp_checkpoint_folders_resume_on_one_rank_evaluate_and_"
     "consolidate consolidates one and evaluates the file",

@@ -1,4 +1,5 @@
-"""``sky/train.yaml``: its ``run:`` section, run on this host as SkyPilot runs it on 2 nodes."""
+"""``sky/train.yaml``: its ``run:`` section, run on this host as SkyPilot runs it on 2 nodes; and
+``sky/tracking-server.yaml``'s, the team's tracking service, run on this host as on its VM."""
 
 import os
 import subprocess
@@ -6,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import boto3
+import psutil
 import pytest
 import torch
 import yaml
@@ -20,6 +23,16 @@ from tests.conftest import (
 )
 from tests.test_distributed import free_port, launch_together
 from tests.test_resume import SIGNAL_AT_STEP
+from tests.test_server import (
+    ADMIN_PASSWORD,
+    BUCKET_LOGIN,
+    alive,
+    answers,
+    service_data,  # noqa: F401  (the service's data folder fixture)
+    service_env,
+    tracking,
+)
+from tests.test_shards import s3_server  # noqa: F401  (the moto S3 server fixture)
 
 TASK = PROJECT / "sky" / "train.yaml"
 MANAGED = PROJECT / "sky" / "train-managed.yaml"  # a managed job on spot nodes
@@ -121,3 +134,64 @@ def test_a_preempted_managed_job_run_again_continues_exactly(
     assert_same_metrics(run_dir, two_devices)
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
+
+
+SERVICE = PROJECT / "sky" / "tracking-server.yaml"  # the team's tracking service on a VM
+
+
+def test_service_task_opens_its_https_port_and_asks_for_its_secrets() -> None:
+    task = yaml.safe_load(SERVICE.read_text())
+    assert task["resources"]["ports"] == task["envs"]["TRACKING_PORT"] == 8443
+    assert task["envs"]["TRACKING_ARTIFACTS"] is None, "required: sky launch refuses it unset"
+    assert task["secrets"] == {"MLFLOW_AUTH_ADMIN_PASSWORD": None}
+    assert "MLFLOW_AUTH_ADMIN_PASSWORD" not in task["envs"], "a secret, never an env SkyPilot logs"
+
+
+@pytest.mark.slow
+def test_service_tasks_run_section_serves_until_the_service_is_stopped(
+    s3_server: dict[str, str],  # noqa: F811
+    service_data: Path,  # noqa: F811
+) -> None:
+    """The run section as SkyPilot runs it on the VM, with the task's envs and secret (here the
+    bucket is moto's, the host this one): it starts the whole service, prints the URL and what
+    clients set, and lasts until ``bash server/tracking.sh stop``, which ends it and the service."""
+    task = yaml.safe_load(SERVICE.read_text())
+    boto3.client("s3", **BUCKET_LOGIN, endpoint_url=s3_server["AWS_ENDPOINT_URL"]).create_bucket(
+        Bucket="team"
+    )
+    port = free_port()
+    given = {  # sky launch --env ... --secret MLFLOW_AUTH_ADMIN_PASSWORD
+        "TRACKING_ARTIFACTS": "s3://team/mlflow",
+        "TRACKING_HOST": "127.0.0.1",
+        "TRACKING_PORT": str(port),
+        "TRACKING_WORKERS": "1",
+        "MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PASSWORD,
+    }
+    envs = {key: str(value) for key, value in task["envs"].items() if value is not None}
+    bucket = {**s3_server, "MLFLOW_S3_ENDPOINT_URL": s3_server["AWS_ENDPOINT_URL"]}
+    env = service_env(service_data, **{**envs, **given, **bucket})
+    job = subprocess.Popen(
+        ["bash", "-euc", task["run"]], cwd=PROJECT, env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        url = f"https://127.0.0.1:{port}"
+        deadline = time.monotonic() + 150
+        cert = service_data / "ca.crt"  # copied from caddy's authority once it made one
+        while not (cert.is_file() and answers(url, str(cert))):
+            assert job.poll() is None, f"the run section ended: {job.stdout.read()}"
+            assert time.monotonic() < deadline, "the service did not answer in 150 s"
+            time.sleep(0.5)
+        time.sleep(2)
+        assert job.poll() is None, "the job lasts as long as the service"
+        supervisor = psutil.Process(int((service_data / "supervisord.pid").read_text()))
+        running = [supervisor, *supervisor.children(recursive=True)]
+        assert "Stopped" in tracking("stop", env=env).stdout
+        assert job.wait(timeout=60) == 0
+        assert not [p for p in running if alive(p)], "stop left processes running"
+        printed = job.stdout.read()
+        assert f"MLflow tracking service: {url} " in printed
+        assert f"python -m src.train logger.tracking_uri={url}" in printed
+        assert ADMIN_PASSWORD not in printed
+    finally:
+        if job.poll() is None:
+            job.kill()
