@@ -101,6 +101,9 @@ SKIPPED: dict[str, str] = {
     "test_image_builds_and_trains builds the same Dockerfile with buildah and trains in it",
     r"^sudo\b": "a VM's system packages and systemd unit (root's): .ci/run installs postgresql "
     "and caddy, and tests/test_server.py runs the supervisord that the unit starts",
+    r"^python -m benchmarks\.tracking_load\b": "minutes against the whole service; tests/"
+    "test_benchmarks.py::test_tracking_load_survives_a_killed_server_a_restarted_database_and_a_"
+    "stopped_bucket runs it with --tiny",
     r"^python3? -m benchmarks\.run$": "about 10 minutes on 2 cores; tests/test_benchmarks.py runs "
     "'python -m benchmarks.run --tiny', every row on tiny data",
 }

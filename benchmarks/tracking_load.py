@@ -1,0 +1,434 @@
+"""The team's tracking service under load, with faults: ``python -m benchmarks.tracking_load``.
+
+Drives an MLflow server as the cloud write-up's setup does: several concurrent jobs (a sweep's
+children under its parent run), each with a rank-0 metric stream and checkpoint uploads, and
+simulated nodes sending system metrics into their job's run, every record through the project's
+outbox (``src/template/outbox.py``: fsynced, sent in order, kept while the server is away).
+
+* ``postgresql``: the whole service, ``server/tracking.sh start`` (PostgreSQL, MLflow's
+  basic-auth server with artifacts proxied to an S3 bucket, caddy's TLS, supervisord). During the
+  run the MLflow server is SIGKILLed (supervisord starts it again), PostgreSQL is restarted, and
+  the S3 endpoint is stopped (SIGSTOP) for a while.
+* ``sqlite``: the single-user default, ``mlflow server`` on a SQLite file, the same load, no
+  faults (nothing would restart it).
+
+The S3 endpoint is moto's server, started here. Each prints records sent and stored (metric
+points: missing or stored twice), the latency of the client's calls as the senders saw them
+(through MLflow's own retries), calls that failed and were sent again, the server's peak memory
+(its whole process group) and whether every run ended FINISHED. Figures: docs/tracking-server.md.
+"""
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 2**20
+SYSTEM_METRICS = ("system/cpu_utilization_percentage", "system/system_memory_usage_megabytes")
+JOB_METRICS = ("train/loss", "train/acc", "train/lr", "train/samples")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start") from None
+            time.sleep(0.2)
+
+
+@contextmanager
+def s3_endpoint() -> Iterator[tuple[dict[str, str], subprocess.Popen]]:
+    """moto's S3 server with a bucket ``bench``, and the environment that reaches it."""
+    import boto3
+
+    port = free_port()
+    moto = str(Path(sys.executable).parent / "moto_server")
+    proc = subprocess.Popen(
+        [moto, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "MLFLOW_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    try:
+        wait_for_port(port, proc, "moto's S3 server")
+        boto3.client(
+            "s3",
+            endpoint_url=env["AWS_ENDPOINT_URL"],
+            region_name="us-east-1",
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+        ).create_bucket(Bucket="bench")
+        yield env, proc
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)  # if a fault left it stopped
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class Service:
+    """A running MLflow server: its URL, the environment clients need, its process group."""
+
+    def __init__(self, url: str, client_env: dict[str, str], pgid: Callable[[], int]) -> None:
+        self.url = url
+        self.client_env = client_env
+        self.pgid = pgid
+
+    def rss_mib(self) -> float:
+        """The server's resident memory: every process of its group."""
+        total = 0
+        for process in psutil.process_iter():
+            try:
+                if os.getpgid(process.pid) == self.pgid():
+                    total += process.memory_info().rss
+            except (psutil.Error, ProcessLookupError):
+                continue
+        return total / MIB
+
+
+@contextmanager
+def postgresql_service(workdir: Path, s3: dict[str, str], workers: int) -> Iterator[Service]:
+    """``bash server/tracking.sh start`` in a folder of its own, an account for the clients."""
+    # Not under workdir: PostgreSQL's user must pass through every parent folder.
+    parent = Path(tempfile.mkdtemp(prefix="tracking-load-service-"))
+    parent.chmod(0o711)
+    data = parent / "service"
+    port = free_port()
+    env = {
+        **os.environ,
+        **s3,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "TRACKING_DATA": str(data),
+        "TRACKING_HOST": "127.0.0.1",
+        "TRACKING_PORT": str(port),
+        "TRACKING_ARTIFACTS": "s3://bench/postgresql",
+        "TRACKING_WORKERS": str(workers),
+        "MLFLOW_AUTH_ADMIN_PASSWORD": secrets.token_urlsafe(16),
+        "TRACKING_USER_PASSWORD": secrets.token_urlsafe(16),
+    }
+    script = ["bash", str(ROOT / "server" / "tracking.sh")]
+    try:
+        for command in (["start"], ["add-user", "bench"]):
+            proc = subprocess.run([*script, *command], env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"tracking.sh {command[0]}: {proc.stderr.strip()}")
+        yield Service(
+            f"https://127.0.0.1:{port}",
+            {
+                "MLFLOW_TRACKING_SERVER_CERT_PATH": str(data / "ca.crt"),
+                "MLFLOW_TRACKING_USERNAME": "bench",
+                "MLFLOW_TRACKING_PASSWORD": env["TRACKING_USER_PASSWORD"],
+            },
+            lambda: int((data / "mlflow.pgid").read_text()),
+        )
+    finally:
+        subprocess.run([*script, "stop"], env=env, capture_output=True)
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+@contextmanager
+def sqlite_service(workdir: Path, s3: dict[str, str], workers: int) -> Iterator[Service]:
+    """``mlflow server`` on a SQLite file, artifacts proxied to the same bucket."""
+    port = free_port()
+    folder = Path(tempfile.mkdtemp(prefix="tracking-load-sqlite-", dir=workdir))
+    command = [
+        str(Path(sys.executable).parent / "mlflow"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--backend-store-uri",
+        f"sqlite:///{folder / 'mlflow.db'}",
+        "--artifacts-destination",
+        "s3://bench/sqlite",
+    ]
+    env = {**os.environ, **s3, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for_port(port, proc, "mlflow server", timeout_s=120)
+        yield Service(f"http://127.0.0.1:{port}", {}, lambda: proc.pid)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class TimedClient:
+    """An MLflow client whose calls are timed; a call that raised is counted (its sender sends
+    the record again)."""
+
+    def __init__(self, client: Any, latencies: list[float], failures: Counter) -> None:
+        self.client = client
+        self.latencies = latencies
+        self.failures = failures
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.client, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                result = method(*args, **kwargs)
+            except Exception:
+                self.failures[name] += 1
+                raise
+            self.latencies.append(time.perf_counter() - start)
+            return result
+
+        return timed
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else float("nan")
+
+
+def faults(service: Service, s3_proc: subprocess.Popen, seconds: float, data_env: dict) -> list:
+    """The faults of the postgresql run, at 25 %, 50 % and 70 % of it: what was done, when."""
+    done = []
+    supervisor = [str(Path(sys.executable).parent / "supervisorctl"), "-c", data_env["conf"]]
+
+    def run() -> None:
+        time.sleep(0.25 * seconds)
+        os.killpg(service.pgid(), signal.SIGKILL)
+        done.append((round(0.25 * seconds), "mlflow server SIGKILLed (supervisord restarts it)"))
+        time.sleep(0.25 * seconds)
+        subprocess.run([*supervisor, "restart", "postgres"], capture_output=True, check=True)
+        done.append((round(0.5 * seconds), "PostgreSQL restarted"))
+        time.sleep(0.2 * seconds)
+        os.killpg(s3_proc.pid, signal.SIGSTOP)
+        stopped = max(5.0, 0.1 * seconds)
+        time.sleep(stopped)
+        os.killpg(s3_proc.pid, signal.SIGCONT)
+        done.append((round(0.7 * seconds), f"S3 endpoint stopped for {stopped:.0f} s"))
+
+    thread = threading.Thread(target=run, daemon=True, name="faults")
+    thread.start()
+    done.append(thread)
+    return done
+
+
+def drive(
+    service: Service,
+    workdir: Path,
+    jobs: int,
+    nodes: int,
+    seconds: float,
+    pace_s: float,
+    checkpoint_mib: int,
+    start_faults: Callable[[], list] | None,
+) -> dict[str, Any]:
+    """The load, then the check of what the server stored."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    from src.template.outbox import Outbox, Sender, encode
+
+    os.environ.update(service.client_env)
+    plain = MlflowClient(service.url)
+    experiment = plain.create_experiment(f"load-{secrets.token_hex(4)}")
+    parent = plain.create_run(experiment, run_name="sweep").info.run_id
+    runs = [
+        plain.create_run(
+            experiment, run_name=f"job{j}", tags={"mlflow.parentRunId": parent}
+        ).info.run_id
+        for j in range(jobs)
+    ]
+    latencies: list[float] = []
+    failures: Counter = Counter()
+    streams = []  # (outbox, sender, run, metric keys)
+    for index in range(jobs + nodes):
+        folder = workdir / f"outbox{index}"
+        folder.mkdir(parents=True)
+        outbox = Outbox(folder, service.url)
+        sender = Sender(outbox, TimedClient(MlflowClient(service.url), latencies, failures))
+        sender.start()
+        job = index if index < jobs else index % jobs
+        keys = JOB_METRICS if index < jobs else tuple(f"{k}/node{index}" for k in SYSTEM_METRICS)
+        streams.append((outbox, sender, runs[job], keys))
+    checkpoint = workdir / "checkpoint.ckpt"
+    checkpoint.write_bytes(os.urandom(checkpoint_mib * MIB))
+    peak_rss = service.rss_mib()
+    events = start_faults() if start_faults else []
+    started = time.monotonic()
+    step = 0
+    while time.monotonic() - started < seconds:
+        now = int(time.time() * 1000)
+        for index, (outbox, _, run, keys) in enumerate(streams):
+            metrics = [Metric(key, float(step + i), now, step) for i, key in enumerate(keys)]
+            outbox.append(encode("log_batch", run, metrics=metrics))
+            if index < jobs and step % 10 == 9:
+                outbox.append(
+                    encode("log_artifact", run, local_path=checkpoint, artifact_path=f"s{step}")
+                )
+        step += 1
+        peak_rss = max(peak_rss, service.rss_mib())
+        time.sleep(max(0.0, started + step * pace_s - time.monotonic()))
+    for outbox, _, run, _ in streams[:jobs]:
+        outbox.append(encode("set_terminated", run))
+    sent_at = time.monotonic()
+    left = sum(sender.drain(600) for _, sender, _, _ in streams)
+    drained_s = time.monotonic() - sent_at
+    plain.set_terminated(parent)
+    for thread in [e for e in events if isinstance(e, threading.Thread)]:
+        thread.join()
+    records = sum(len(outbox.records) - 1 for outbox, _, _, _ in streams)
+    missing = twice = 0
+    for _, _, run, keys in streams:
+        for key in keys:
+            steps = Counter(m.step for m in plain.get_metric_history(run, key))
+            missing += sum(1 for s in range(step) if steps[s] == 0)
+            twice += sum(count - 1 for count in steps.values() if count > 1)
+    uploads = sum(len(plain.list_artifacts(run)) for run in runs)
+    finished = sum(plain.get_run(run).info.status == "FINISHED" for run in [*runs, parent])
+    for outbox, _, _, _ in streams:
+        outbox.close()
+    return {
+        "jobs": jobs,
+        "nodes": nodes,
+        "seconds": round(seconds),
+        "records_sent": records,
+        "points_sent": step * sum(len(keys) for _, _, _, keys in streams),
+        "points_missing": missing,
+        "points_stored_twice": twice,
+        "checkpoints_uploaded": f"{uploads} of {jobs * (step // 10)} ({checkpoint_mib} MiB each)",
+        "runs_finished": f"{finished} of {jobs + 1}",
+        "records_left_unsent": left,
+        "drain_after_load_s": round(drained_s, 1),
+        "calls": len(latencies),
+        "calls_failed_and_sent_again": dict(failures),
+        "latency_ms": {
+            "p50": round(1000 * percentile(latencies, 0.50), 1),
+            "p95": round(1000 * percentile(latencies, 0.95), 1),
+            "p99": round(1000 * percentile(latencies, 0.99), 1),
+            "max": round(1000 * max(latencies, default=float("nan")), 1),
+        },
+        "server_peak_rss_mib": round(peak_rss),
+        "faults": [f"at {t} s: {what}" for t, what in (e for e in events if isinstance(e, tuple))],
+    }
+
+
+def measure(
+    backend: str,
+    workdir: Path,
+    jobs: int,
+    nodes: int,
+    seconds: float,
+    pace_s: float,
+    checkpoint_mib: int,
+    workers: int,
+) -> dict[str, Any]:
+    with s3_endpoint() as (s3, s3_proc):
+        saved = dict(os.environ)
+        try:
+            if backend == "postgresql":
+                with postgresql_service(workdir, s3, workers) as service:
+                    conf = Path(service.client_env["MLFLOW_TRACKING_SERVER_CERT_PATH"]).parent
+                    data_env = {"conf": str(conf / "supervisord.conf")}
+                    result = drive(
+                        service,
+                        workdir / backend,
+                        jobs,
+                        nodes,
+                        seconds,
+                        pace_s,
+                        checkpoint_mib,
+                        lambda: faults(service, s3_proc, seconds, data_env),
+                    )
+            else:
+                with sqlite_service(workdir, s3, workers) as service:
+                    result = drive(
+                        service,
+                        workdir / backend,
+                        jobs,
+                        nodes,
+                        seconds,
+                        pace_s,
+                        checkpoint_mib,
+                        None,
+                    )
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return {"backend": backend, "workers": workers, **result}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.tracking_load", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--backends", default="postgresql,sqlite", help="comma-separated")
+    parser.add_argument("--jobs", type=int, default=4, help="concurrent jobs (sweep children)")
+    parser.add_argument("--nodes", type=int, default=20, help="simulated nodes (system metrics)")
+    parser.add_argument("--seconds", type=float, default=180, help="how long the load runs")
+    parser.add_argument("--pace-s", type=float, default=1.0, help="one record per stream every")
+    parser.add_argument("--checkpoint-mib", type=int, default=20, help="each upload's size")
+    parser.add_argument("--workers", type=int, default=4, help="mlflow server workers")
+    parser.add_argument("--tiny", action="store_true", help="2 jobs, 4 nodes, 40 s (the test)")
+    parser.add_argument("--out", type=Path, help="also write the results here as JSON")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.jobs, args.nodes, args.seconds, args.checkpoint_mib, args.workers = 2, 4, 40, 1, 2
+    results = []
+    with tempfile.TemporaryDirectory(prefix="tracking-load-") as workdir:
+        for backend in args.backends.split(","):
+            result = measure(
+                backend,
+                Path(workdir),
+                args.jobs,
+                args.nodes,
+                args.seconds,
+                args.pace_s,
+                args.checkpoint_mib,
+                args.workers,
+            )
+            print(json.dumps(result, indent=2), flush=True)
+            results.append(result)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
