@@ -101,10 +101,17 @@ def s3_endpoint() -> Iterator[tuple[dict[str, str], subprocess.Popen]]:
 class Service:
     """A running MLflow server: its URL, the environment clients need, its process group."""
 
-    def __init__(self, url: str, client_env: dict[str, str], pgid: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        url: str,
+        client_env: dict[str, str],
+        pgid: Callable[[], int],
+        supervisor_conf: Path | None = None,
+    ) -> None:
         self.url = url
         self.client_env = client_env
         self.pgid = pgid
+        self.supervisor_conf = supervisor_conf  # supervisord's, where it keeps the parts running
 
     def rss_mib(self) -> float:
         """The server's resident memory: every process of its group."""
@@ -152,6 +159,7 @@ def postgresql_service(workdir: Path, s3: dict[str, str], workers: int) -> Itera
                 "MLFLOW_TRACKING_PASSWORD": env["TRACKING_USER_PASSWORD"],
             },
             lambda: int((data / "mlflow.pgid").read_text()),
+            data / "supervisord.conf",
         )
     finally:
         subprocess.run([*script, "stop"], env=env, capture_output=True)
@@ -224,10 +232,11 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else float("nan")
 
 
-def faults(service: Service, s3_proc: subprocess.Popen, seconds: float, data_env: dict) -> list:
+def faults(service: Service, s3_proc: subprocess.Popen, seconds: float) -> list:
     """The faults of the postgresql run, at 25 %, 50 % and 70 % of it: what was done, when."""
     done = []
-    supervisor = [str(Path(sys.executable).parent / "supervisorctl"), "-c", data_env["conf"]]
+    supervisorctl = str(Path(sys.executable).parent / "supervisorctl")
+    supervisor = [supervisorctl, "-c", str(service.supervisor_conf)]
 
     def run() -> None:
         time.sleep(0.25 * seconds)
@@ -361,33 +370,16 @@ def measure(
 ) -> dict[str, Any]:
     with s3_endpoint() as (s3, s3_proc):
         saved = dict(os.environ)
+        start = postgresql_service if backend == "postgresql" else sqlite_service
         try:
-            if backend == "postgresql":
-                with postgresql_service(workdir, s3, workers) as service:
-                    conf = Path(service.client_env["MLFLOW_TRACKING_SERVER_CERT_PATH"]).parent
-                    data_env = {"conf": str(conf / "supervisord.conf")}
-                    result = drive(
-                        service,
-                        workdir / backend,
-                        jobs,
-                        nodes,
-                        seconds,
-                        pace_s,
-                        checkpoint_mib,
-                        lambda: faults(service, s3_proc, seconds, data_env),
-                    )
-            else:
-                with sqlite_service(workdir, s3, workers) as service:
-                    result = drive(
-                        service,
-                        workdir / backend,
-                        jobs,
-                        nodes,
-                        seconds,
-                        pace_s,
-                        checkpoint_mib,
-                        None,
-                    )
+            with start(workdir, s3, workers) as service:
+                # Faults only where supervisord starts again what they break.
+                inject = None
+                if service.supervisor_conf:
+                    inject = lambda: faults(service, s3_proc, seconds)  # noqa: E731
+                result = drive(
+                    service, workdir / backend, jobs, nodes, seconds, pace_s, checkpoint_mib, inject
+                )
         finally:
             os.environ.clear()
             os.environ.update(saved)
