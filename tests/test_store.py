@@ -299,3 +299,40 @@ def test_records_refused_for_rights_mid_job_are_kept_and_sent_once_rights_are_ba
         assert not path.is_file() or USERS["ann"].encode() not in path.read_bytes(), path
     with logged_in("ann", USERS["ann"]):
         assert_complete_run(MlflowClient(auth_server), run_id, 3, "FINISHED")
+
+
+@pytest.mark.slow
+def test_a_sweep_and_its_register_with_a_password_in_the_uri_write_it_nowhere(
+    auth_server: str, tiny_root: Path, tmp_path: Path
+) -> None:
+    """A sweep of 2 jobs whose tracking URI holds ann's password, then ``src.register`` given the
+    same URI: every job and its sweep parent are logged as ann, the best model is registered,
+    and the password is in no printed line, no file under the launch folder (the sweep's
+    folders, configs, logs, outboxes, checkpoints; the server's artifacts), no param or tag."""
+    host = auth_server.removeprefix("http://")
+    uri = f"http://ann:{USERS['ann']}@{host}"
+    sweep = tmp_path / "sweep"
+    job = [*tiny_overrides(tiny_root), "trainer.max_epochs=1", "model.lr=0.01,0.02"]
+    proc = run_entry(
+        "train", "-m", *job, f"logger.tracking_uri={uri}", f"hydra.sweep.dir={sweep}", cwd=tmp_path
+    )
+    registered = run_entry(
+        "register", str(sweep), "--name", "ann-mnist", "--tracking-uri", uri, cwd=tmp_path
+    )
+    assert registered.stdout.startswith("registered ann-mnist version 1: "), registered.stdout
+    printed = proc.stdout + proc.stderr + registered.stdout + registered.stderr
+    assert USERS["ann"] not in printed, "printed"
+    files = [path for path in tmp_path.rglob("*") if path.is_file()]
+    assert len(files) > 20 and any(path.suffix == ".ckpt" for path in files)
+    for path in files:
+        assert USERS["ann"].encode() not in path.read_bytes(), path
+    with pytest.MonkeyPatch.context() as login:
+        login.setenv(CREDENTIALS[0], "ann")
+        login.setenv(CREDENTIALS[1], USERS["ann"])
+        client = MlflowClient(auth_server)
+        runs = client.search_runs([client.get_experiment_by_name("mnist").experiment_id])
+        assert len(runs) == 3, "2 jobs and their sweep's parent"
+        for run in runs:
+            assert run.info.status == "FINISHED"
+            values = [*run.data.params.values(), *run.data.tags.values()]
+            assert all(USERS["ann"] not in value for value in values), run.info.run_name
