@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from src.template.sharded import is_sharded_checkpoint
 from tests.conftest import (
     N_TEST,
     N_TRAIN,
@@ -458,7 +459,8 @@ def check_job(task: str, split: str, job: Path, resumed: bool) -> None:
     if task == "train":
         expected = ("metrics.json", "config.yaml") + (() if resumed else ("checkpoints/last.ckpt",))
         for name in expected:
-            assert (job / name).is_file(), f"{job} has no {name}: {listing(job)}"
+            found = (job / name).is_file() or is_sharded_checkpoint(job / name)  # FSDP: a folder
+            assert found, f"{job} has no {name}: {listing(job)}"
     elif task == "eval":
         metrics = json.loads((job / "metrics.json").read_text())
         assert f"{split}/acc" in metrics, metrics

@@ -162,6 +162,22 @@ def host_check(port: int, host: str) -> str:
         return error.read().decode()
 
 
+def cross_origin_write(port: int, host: str, origin: str) -> tuple[int, str]:
+    """What the MLflow server answers a state-changing API call that a web page at ``origin``
+    makes (its CORS check blocks origins it does not serve, before any sign-in)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/create",
+        data=b'{"name": "from-a-page"}',
+        headers={"Host": host, "Origin": origin, "Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
 def answers(url: str, cert: str) -> bool:
     """Whether the service answers ``/health`` through TLS, checked against ``cert``."""
     tls = ssl.create_default_context(cafile=cert)
@@ -261,6 +277,13 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     for other in ("evil.example", "localhost"):  # MLflow's default list has localhost: replaced
         assert "DNS rebinding" in host_check(server_port, other), f"{other} is not served"
     assert "DNS rebinding" not in host_check(server_port, url.removeprefix("https://"))
+    served = url.removeprefix("https://")
+    assert cross_origin_write(server_port, served, "https://evil.example") == (
+        403,
+        "Cross-origin request blocked",
+    )
+    status, _ = cross_origin_write(server_port, served, url)
+    assert status == 401, "the page the service serves gets as far as the sign-in"
     added = tracking(*on_page("bash server/tracking.sh add-user ann"), env=env).stdout
     password = re.search(r"Its password \(shown once, give it to ann\): (\S+)", added)[1]
 

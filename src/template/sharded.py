@@ -45,6 +45,7 @@ def save_swapped(path: Path, save: Callable[[Path], None], barrier: Callable[[],
     staging = staging_folder(path)
     rank_zero = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if rank_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)  # a file in its way: named here
         remove(staging)  # a killed job's
     barrier()
     save(staging)
