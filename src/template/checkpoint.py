@@ -24,7 +24,7 @@ from torchmetrics import Metric
 
 from src.template import sharded
 from src.template.config import flatten
-from src.template.files import copy_atomically, write_atomically
+from src.template.files import copy_atomically
 from src.template.resume import epoch_finished
 from src.template.task import Task
 
@@ -34,20 +34,15 @@ class CheckpointError(ValueError):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Local ``.ckpt`` files by :func:`write_atomically`. (Lightning's default stages them in
-    the system temp folder: a plain copy where that is another filesystem.)"""
+    """Local ``.ckpt`` files written atomically (:func:`~src.template.sharded.write_file_over`).
+    (Lightning's default stages them in the system temp folder: a plain copy where that is
+    another filesystem.)"""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None
     ) -> None:
-        path = Path(path)
-        if not sharded.is_sharded_checkpoint(path):
-            write_atomically(path, lambda file: torch.save(checkpoint, file))
-            return
-        # A job resumed from a consolidated sharded checkpoint, in its folder: a file for it.
-        staging = sharded.staging_folder(path)
-        write_atomically(staging, lambda file: torch.save(checkpoint, file))
-        sharded.swap_in(staging, path)
+        # Over a sharded folder too: a job resumed, in its folder, from its consolidated file.
+        sharded.write_file_over(Path(path), lambda file: torch.save(checkpoint, file))
 
 
 class EpochEndCheckpoint(ModelCheckpoint):
@@ -168,10 +163,9 @@ def read_checkpoint(ckpt_path: str | None, weights: bool = True) -> dict[str, An
         try:
             return sharded.read_sharded(Path(ckpt_path), weights)
         except Exception as error:
-            reason = shorten(str(error).strip().splitlines()[0] if str(error).strip() else "")
             raise CheckpointError(
                 f"ckpt_path={ckpt_path} is not a readable sharded checkpoint "
-                f"({reason or type(error).__name__}); pass a checkpoint written by src.train"
+                f"({one_line(error)}); pass a checkpoint written by src.train"
             ) from None
     if Path(ckpt_path).is_dir():
         raise CheckpointError(
@@ -200,7 +194,13 @@ def why_unreadable(path: str, error: Exception) -> str:
     if isinstance(error, pickle.UnpicklingError) and "WeightsUnpickler error:" in text:
         detail = text.partition("WeightsUnpickler error:")[2].strip().split(". ")[0]
         return f"it holds more than tensors and plain values: {shorten(detail)}"
-    return shorten(text.strip().splitlines()[0] if text.strip() else type(error).__name__)
+    return one_line(error)
+
+
+def one_line(error: Exception) -> str:
+    """An error's first line, shortened; its type's name if it says nothing."""
+    text = str(error).strip()
+    return shorten(text.splitlines()[0] if text else type(error).__name__)
 
 
 def shorten(reason: str) -> str:

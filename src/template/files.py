@@ -23,11 +23,16 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    folder = os.open(path.parent, os.O_RDONLY)
+    fsync_folder(path.parent)  # the rename itself survives a power loss
+
+
+def fsync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries (the renames in it) to disk."""
+    handle = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(folder)  # the rename itself survives a power loss
+        os.fsync(handle)
     finally:
-        os.close(folder)
+        os.close(handle)
 
 
 def write_text_atomically(path: Path, text: str) -> None:

@@ -4,20 +4,19 @@ distributed checkpoint: ``__<rank>_0.distcp`` and ``.metadata``) and rank 0 the 
 loops, callbacks, the job). It is written beside its place and swapped in whole, read like a
 one-file checkpoint by the checks, eval and predict, and made one file by ``src.consolidate``."""
 
-import os
 import shutil
 import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from src.template.files import write_atomically
+from src.template.files import fsync_folder, write_atomically
 
 # What Lightning names rank 0's file of everything but weights and optimizer states (private.py).
 META_FILE = "meta.pt"
@@ -64,11 +63,19 @@ def swap_in(staging: Path, path: Path) -> None:
         path.rename(old)
     staging.rename(path)
     remove(old)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)  # the renames survive a power loss
-    finally:
-        os.close(folder)
+    fsync_folder(path.parent)  # the renames survive a power loss
+
+
+def write_file_over(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """:func:`~src.template.files.write_atomically`, also where a sharded folder of that name is
+    (a one-file checkpoint replacing it): written beside it, then swapped in."""
+    if not is_sharded_checkpoint(path):
+        write_atomically(path, write)
+        return
+    staging = staging_folder(path)
+    remove(staging)
+    write_atomically(staging, write)
+    swap_in(staging, path)
 
 
 def remove(path: Path) -> None:
@@ -146,10 +153,7 @@ def consolidate(folder: Path, target: Path) -> None:
         checkpoint["optimizer_states"] = [
             by_parameter_number(shards[f"optimizer_{index}"]) for index in range(count)
         ]
-        staging = staging_folder(target)
-        remove(staging)
-        write_atomically(staging, lambda file: torch.save(checkpoint, file))
-        swap_in(staging, target)
+        write_file_over(target, lambda file: torch.save(checkpoint, file))
     finally:
         whole.unlink(missing_ok=True)
 
