@@ -86,9 +86,11 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def tiny_overrides(data_root: Path) -> list[str]:
-    """Overrides for a seconds-long training job on the tiny dataset."""
-    return [
+def tiny_overrides(data_root: Path, *, logger: str = "mlflow", model: bool = False) -> list[str]:
+    """Overrides for a seconds-long training job on the tiny dataset, logging to ``logger``.
+    An MLflow job logs no MLflow model unless ``model``: the export takes about 3 s of a 10 s
+    job, so only the tests that check the model pay for it."""
+    tiny = [
         f"data.root={data_root}",
         "data.download=false",
         f"data.val_size={VAL_SIZE}",
@@ -99,6 +101,9 @@ def tiny_overrides(data_root: Path) -> list[str]:
         "trainer.max_epochs=2",
         "callbacks.progress_bar=none",
     ]
+    if logger != "mlflow":
+        return [*tiny, f"logger={logger}"]
+    return tiny if model else [*tiny, "logger.log_model=false"]
 
 
 def run_job(
@@ -284,6 +289,14 @@ def load_checkpoint(path: Path) -> dict:
         return torch.load(Path(folder) / "whole.ckpt", weights_only=True)
 
 
+def files_holding(secret: str, folder: Path, max_size: float = float("inf")) -> list[Path]:
+    """The files under ``folder`` (up to ``max_size`` bytes) whose bytes contain ``secret``: a
+    password must be in none of them."""
+    files = [path for path in folder.rglob("*") if path.is_file()]
+    small = [path for path in files if path.stat().st_size <= max_size]
+    return [path for path in small if secret.encode() in path.read_bytes()]
+
+
 def read_metrics(run_dir: Path) -> dict[str, float]:
     return json.loads((run_dir / "metrics.json").read_text())
 
@@ -310,7 +323,7 @@ def trained(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     # The two extra keys carry fake credentials that must never reach MLflow.
     proc = run_entry(
         "train",
-        *tiny_overrides(tiny_root),
+        *tiny_overrides(tiny_root, model=True),
         "seed=0",
         f"+service.api_token={FAKE_SECRET}",
         f"+service.url=https://user:{FAKE_SECRET}@example.com/data",
@@ -404,7 +417,7 @@ def server_url(tmp_path: Path) -> Iterator[str]:
 def two_devices(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
     """Metrics of a 1-epoch job with devices=2 on one node, started by Lightning itself."""
     workdir = tmp_path_factory.mktemp("two_devices")
-    overrides = [*tiny_overrides(tiny_root), "trainer.max_epochs=1", "logger=none"]
+    overrides = [*tiny_overrides(tiny_root, logger="none"), "trainer.max_epochs=1"]
     overrides += ["strategy=ddp", "devices=2"]
     run_entry("train", *overrides, f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
     return read_metrics(workdir / "run")

@@ -264,11 +264,10 @@ def test_two_ranks_train_the_same_weights_as_one(tiny_root: Path, tmp_path: Path
     # the comparison uses a network without them; the rest differs only by float summation
     # order (rank means averaged vs. one mean), hence the 1e-5 tolerance.
     overrides = [
-        *tiny_overrides(tiny_root),
+        *tiny_overrides(tiny_root, logger="none"),
         "trainer.max_epochs=1",
         "model.net.batch_norm=false",
         "model.net.dropout=0",
-        "logger=none",
     ]
     weights = {}
     # The third job slices its batches from data copied once to the device (data.device_resident);
@@ -410,9 +409,8 @@ def test_a_dead_rank_ends_the_torchrun_job_within_seconds(tiny_root: Path, tmp_p
 def test_sync_batchnorm_on_cpu_warns_and_trains(tiny_root: Path, tmp_path: Path) -> None:
     proc = run_entry(
         "train",
-        *tiny_overrides(tiny_root),
+        *tiny_overrides(tiny_root, logger="none"),
         "trainer.max_epochs=1",
-        "logger=none",
         "strategy=ddp",
         "devices=2",
         "strategy.sync_batchnorm=true",

@@ -65,9 +65,9 @@ def test_training_steps_call_only_lightnings_own_collectives(tiny_root: Path, tm
 def test_the_templates_step_code_never_syncs_the_gpu(tiny_root: Path, tmp_path: Path):
     """Steady-state steps of src.train with its per-step code (the model's training_step, the
     template callbacks' batch hooks) under ``set_sync_debug_mode("error")``."""
-    args = [*tiny_overrides(tiny_root), "accelerator=gpu", "devices=1", "trainer.max_epochs=2"]
+    args = [*tiny_overrides(tiny_root, logger="none"), "accelerator=gpu", "devices=1"]
     proc = subprocess.run(
-        [sys.executable, str(STRICT), *args, "logger=none", "hydra.run.dir=run"],
+        [sys.executable, str(STRICT), *args, "trainer.max_epochs=2", "hydra.run.dir=run"],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(PROJECT)},
         capture_output=True,

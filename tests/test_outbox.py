@@ -288,7 +288,6 @@ def test_an_offline_seed_sweep_once_synced_is_the_online_sweep(server, tiny_root
         "seed=1,2",
         "logger.offline=true",
         f"logger.tracking_uri={server.url}",
-        "logger.log_model=false",
         cwd=tmp_path,
     )
     (sweep,) = sweep_folders(tmp_path)

@@ -28,11 +28,11 @@ def train(tiny_root: Path, workdir: Path, *overrides: str, env: dict[str, str] |
     """A tiny training job without a logger, for as many epochs as its presets say; returns
     (process, run folder)."""
     run_dir = workdir / "run"
-    tiny = [o for o in tiny_overrides(tiny_root) if not o.startswith("trainer.max_epochs=")]
+    tiny = tiny_overrides(tiny_root, logger="none")
+    tiny = [o for o in tiny if not o.startswith("trainer.max_epochs=")]
     proc = run_entry(
         "train",
         *tiny,
-        "logger=none",
         *overrides,
         f"hydra.run.dir={run_dir}",
         cwd=workdir,

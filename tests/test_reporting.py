@@ -44,7 +44,7 @@ def test_a_run_and_a_sweep_job_print_a_screenful_and_keep_the_rest(
     """A default run prints about 40 lines at most (no config tree, model summary, duplicate
     results or library notices); the config and the model summary are in the output folder."""
     run = run_entry(
-        "train", *tiny_overrides(tiny_root), "callbacks.progress_bar=rich", cwd=tmp_path
+        "train", *tiny_overrides(tiny_root, model=True), "callbacks.progress_bar=rich", cwd=tmp_path
     )
     single = printed_lines(run)
     assert len(single) <= 40, "\n".join(single)
@@ -54,7 +54,8 @@ def test_a_run_and_a_sweep_job_print_a_screenful_and_keep_the_rest(
     assert len(best) == 1 and Path(best[0].split(": ", 1)[1]).parent == out / "checkpoints", best
     assert "model:" in (out / "config.yaml").read_text()
     assert "Total params" in (out / "model_summary.txt").read_text()
-    sweep = run_entry("train", "-m", *tiny_overrides(tiny_root), "model.lr=0.01,0.02", cwd=tmp_path)
+    default = tiny_overrides(tiny_root, model=True)
+    sweep = run_entry("train", "-m", *default, "model.lr=0.01,0.02", cwd=tmp_path)
     hydra_lines = 3  # "Launching 2 jobs locally", and "#0 : ...", "#1 : ..."
     assert len(printed_lines(sweep)) <= 2 * len(single) + hydra_lines
 

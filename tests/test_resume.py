@@ -253,7 +253,7 @@ def test_stop_refused_resume_resume_as_printed_again_lengthen_and_new_job_from_w
     """A user's sequence: each step leaves one true record per job (run, logged model and
     metrics.json agree); a finished run is never reopened."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)])}
-    args = [*tiny_overrides(tiny_root), "trainer.max_epochs=2", "hydra.run.dir=run"]
+    args = [*tiny_overrides(tiny_root, model=True), "trainer.max_epochs=2", "hydra.run.dir=run"]
     stopped = run_job(
         [sys.executable, "-m", "src.train", *args],
         cwd=tmp_path,

@@ -133,7 +133,7 @@ def test_the_best_job_of_a_sweep_is_registered_and_served(tiny_root: Path, tmp_p
     run_entry(
         "train",
         "-m",
-        *tiny_overrides(tiny_root),
+        *tiny_overrides(tiny_root, model=True),
         "seed=1,2",
         "logger.registered_model_name=every-job",
         cwd=tmp_path,
@@ -207,7 +207,7 @@ def test_a_ddp_job_logs_one_model_to_a_server_once(tiny_root: Path, tmp_path: Pa
     with mlflow_server(local_server_argv(port, tmp_path), port, tmp_path) as url:
         run_entry(
             "train",
-            *tiny_overrides(tiny_root),
+            *tiny_overrides(tiny_root, model=True),
             "strategy=ddp",
             "devices=2",
             "accelerator=cpu",

@@ -42,7 +42,7 @@ from tests.test_train import assert_same_tensors
 RECORDER = PROJECT / "tests" / "record_batches"
 AUGMENT = "data.augment={crop_scale:[0.6,1.0],flip:true,jitter:0.3}"
 # Networks without per-rank state (BatchNorm statistics, dropout masks), as test_distributed.
-SMALL = ["model.net.batch_norm=false", "model.net.dropout=0", "logger=none"]
+SMALL = ["model.net.batch_norm=false", "model.net.dropout=0"]
 # In parallel runs (-n), one worker runs this module: its tests share the converted shards.
 pytestmark = pytest.mark.xdist_group("shards")
 
@@ -60,8 +60,9 @@ def shards(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def shard_overrides(tiny_root: Path, shards: Path) -> list[str]:
-    """The tiny training job of conftest, reading the shards of the same data."""
-    source = [o for o in tiny_overrides(tiny_root) if not o.startswith("data.root")]
+    """The tiny training job of conftest, without a logger, reading the shards of the same data."""
+    source = tiny_overrides(tiny_root, logger="none")
+    source = [o for o in source if not o.startswith("data.root")]
     source.remove("data.download=false")
     return ["data=shards", f"data.root={shards}", *source]
 
@@ -201,7 +202,7 @@ def test_shards_train_as_the_source_and_the_same_global_batches_on_two_ranks(
     then evaluation of that checkpoint on 2 ranks equals 1 rank."""
     env = {"PYTHONPATH": f"{RECORDER}{os.pathsep}{PROJECT}"}
     jobs = {
-        "idx": [*tiny_overrides(tiny_root), "trainer.max_epochs=1"],
+        "idx": [*tiny_overrides(tiny_root, logger="none"), "trainer.max_epochs=1"],
         "shards1": [*shard_overrides(tiny_root, shards), "trainer.max_epochs=1"],
         "shards2": [
             *shard_overrides(tiny_root, shards),
@@ -332,9 +333,7 @@ def test_evaluation_loaders_are_not_augmented(tiny_root: Path) -> None:
 def test_predict_classifies_a_folder_of_new_images(
     shards: Path, tiny_root: Path, tmp_path: Path
 ) -> None:
-    run_entry(
-        "train", *shard_overrides(tiny_root, shards), "logger=none", "hydra.run.dir=t", cwd=tmp_path
-    )
+    run_entry("train", *shard_overrides(tiny_root, shards), "hydra.run.dir=t", cwd=tmp_path)
     images, labels = load_split(tiny_root, DATASETS["mnist"], train=False)
     folder = tmp_path / "new"
     for i in range(30):
@@ -537,7 +536,7 @@ def test_shards_stream_from_s3_through_a_bounded_cache(
     with pytest.raises(DataError, match=r"data.max_cache_size=50KB cannot hold the .* set data"):
         small.train_dataloader()
     # A real training job reading the bucket in loader workers, with the bounded cache.
-    args = [*shard_overrides(tiny_root, shards), "trainer.max_epochs=1", "logger=none"]
+    args = [*shard_overrides(tiny_root, shards), "trainer.max_epochs=1"]
     args += ["data.num_workers=2"]
     args = [a for a in args if not a.startswith("data.root")] + [f"data.root={root}"]
     args += [f"data.cache_dir={tmp_path / 'job-cache'}", "data.max_cache_size=1MB"]

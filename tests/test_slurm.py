@@ -131,9 +131,8 @@ def test_sbatch_takes_hydra_run_dir_from_its_arguments(
         "--gpus-per-node=0",
         "--ntasks-per-node=1",
         str(SBATCH),
-        *tiny_overrides(tiny_root),
+        *tiny_overrides(tiny_root, logger="none"),
         "trainer.max_epochs=1",
-        "logger=none",
         "hydra.run.dir=mine",
     )
     assert state == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-5000:]
@@ -175,14 +174,15 @@ def test_usr1_requeues_and_the_job_resumes_into_the_same_run(
     requeued job starts over in that same run."""
     epochs = 4
     strategy = "fsdp" if when.endswith("fsdp") else "ddp"
-    args = [*tiny_overrides(tiny_root), f"trainer.max_epochs={epochs}", f"strategy={strategy}"]
+    job = [f"trainer.max_epochs={epochs}", f"strategy={strategy}"]
+    args = [*tiny_overrides(tiny_root), *job]
     reference = tmp_path / "reference"
     reference.mkdir()
     run_entry(
         "train",
-        *args,
+        *tiny_overrides(tiny_root, logger="none"),
+        *job,
         "devices=2",
-        "logger=none",
         "hydra.run.dir=run",
         cwd=reference,
     )
@@ -265,10 +265,12 @@ def test_a_preempted_slurm_sweep_job_resumes_from_its_checkpoint(
     stops the job's ranks at a step with ``last.ckpt``; submitit then requeues the job, which
     resumes from that checkpoint into the same run: the result of an uninterrupted job."""
     epochs = 4
-    args = [*tiny_overrides(tiny_root), f"trainer.max_epochs={epochs}", "strategy=ddp", "devices=2"]
+    job = [f"trainer.max_epochs={epochs}", "strategy=ddp", "devices=2"]
+    args = [*tiny_overrides(tiny_root), *job]
     reference = tmp_path / "reference"
     reference.mkdir()
-    run_entry("train", *args, "logger=none", "hydra.run.dir=run", cwd=reference)
+    unlogged = [*tiny_overrides(tiny_root, logger="none"), *job]
+    run_entry("train", *unlogged, "hydra.run.dir=run", cwd=reference)
     command = [sys.executable, "-m", "src.train", "-m", "hydra/launcher=slurm", "accelerator=cpu"]
     sweep = subprocess.Popen(
         [*command, *args],

@@ -37,9 +37,10 @@ from tests.test_train import assert_same_tensors
 pytestmark = pytest.mark.slow
 
 
-def sweep_overrides(tiny_root: Path) -> list[str]:
+def sweep_overrides(tiny_root: Path, model: bool = False) -> list[str]:
     # lr is what the sweeps vary, so it is left out of the shared tiny overrides.
-    shared = [o for o in tiny_overrides(tiny_root) if not o.startswith(("model.lr=", "trainer."))]
+    shared = tiny_overrides(tiny_root, model=model)
+    shared = [o for o in shared if not o.startswith(("model.lr=", "trainer."))]
     return [*shared, "trainer.max_epochs=1"]
 
 
@@ -111,7 +112,7 @@ def test_failed_sweep_job_is_reported_and_the_next_runs(tiny_root: Path, tmp_pat
     proc = run_entry(
         "train",
         "-m",
-        *sweep_overrides(tiny_root),
+        *sweep_overrides(tiny_root, model=True),
         f"hydra.sweep.dir={sweep}",
         "model.lr=0.01,0.02",
         "strategy=fsdp",

@@ -296,7 +296,7 @@ def test_a_reviewer_sees_named_runs_and_linked_models_in_the_mlflow_ui(
 ) -> None:
     """docs/mlflow.md "Reviewing runs", in a real browser against `mlflow ui`."""
     sweep = ["trainer.max_epochs=1", "model.lr=0.01,0.02", "logger.registered_model_name=r"]
-    swept = run_entry("train", "-m", *tiny_overrides(tiny_root), *sweep, cwd=tmp_path)
+    swept = run_entry("train", "-m", *tiny_overrides(tiny_root, model=True), *sweep, cwd=tmp_path)
     (shown, _) = [line.split()[2] for line in swept.stdout.splitlines() if "MLflow run: " in line]
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("mnist").experiment_id
@@ -368,7 +368,7 @@ finally:
 @pytest.mark.parametrize("logger", ["csv", "none"])
 def test_a_job_without_mlflow_never_imports_it(logger: str, tiny_root: Path, tmp_path: Path):
     """MLflow takes a second to import; a job that logs elsewhere does not pay it."""
-    job = [*tiny_overrides(tiny_root), f"logger={logger}", "hydra.run.dir=run"]
+    job = [*tiny_overrides(tiny_root, logger=logger), "hydra.run.dir=run"]
     proc = subprocess.run(
         [sys.executable, "-c", WHICH_MLFLOW_MODULES, *job],
         cwd=tmp_path,

@@ -139,14 +139,14 @@ def test_train_resumes_at_the_next_epoch_with_its_best_metric(
     first = read_metrics(trained["run_dir"])
     last = trained["run_dir"] / "checkpoints" / "last.ckpt"
     run_dir = tmp_path / "resumed"
-    overrides = [o for o in tiny_overrides(tiny_root) if not o.startswith("trainer.max_epochs")]
+    overrides = tiny_overrides(tiny_root, logger="csv")
+    overrides = [o for o in overrides if not o.startswith("trainer.max_epochs")]
     run_entry(
         "train",
         *overrides,
         "trainer.max_epochs=3",
         "seed=0",  # the trained job's (another seed would be another job: refused)
         f"ckpt_path={last}",
-        "logger=csv",
         f"hydra.run.dir={run_dir}",
         cwd=tmp_path,
     )

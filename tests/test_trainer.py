@@ -88,9 +88,8 @@ def test_callbacks_and_loggers_come_from_config(tmp_path: Path) -> None:
 def test_early_stopping_by_config_stops_training(tiny_root: Path, tmp_path: Path) -> None:
     run_entry(
         "train",
-        *tiny_overrides(tiny_root),
+        *tiny_overrides(tiny_root, logger="none"),
         "trainer.max_epochs=6",
-        "logger=none",
         "callbacks=early_stopping",
         "callbacks.extra.early_stopping.patience=0",
         "callbacks.extra.early_stopping.min_delta=10",  # no epoch improves val/loss by 10
