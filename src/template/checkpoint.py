@@ -275,13 +275,13 @@ def differences(
     return [
         f"{prefix}{key}={trained[key]} (here {current[key]})"
         for key in keys
-        if key in trained and key in current and plain(trained[key]) != plain(current[key])
+        if key in trained and key in current and as_lists(trained[key]) != as_lists(current[key])
     ]
 
 
-def plain(value: Any) -> Any:
+def as_lists(value: Any) -> Any:
     """Lists and tuples compare equal when their items do (a config list, a saved tuple)."""
-    return [plain(item) for item in value] if isinstance(value, list | tuple) else value
+    return [as_lists(item) for item in value] if isinstance(value, list | tuple) else value
 
 
 RESULT_SECTIONS = ("seed", "data", "model", "trainer")  # what decides a job's result

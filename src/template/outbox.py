@@ -59,7 +59,7 @@ class OutboxBusy(RuntimeError):
 
 def encode(method: str, run_id: str, **kwargs: Any) -> dict[str, Any]:
     """A client call as a JSON record, stamped with when it happened (not when it is sent)."""
-    record = {"method": method, "run_id": run_id, **{k: plain(v) for k, v in kwargs.items()}}
+    record = {"method": method, "run_id": run_id, **{k: json_ready(v) for k, v in kwargs.items()}}
     for key in {"local_path", "folder"} & set(record):
         record[key] = str(Path(record[key]).resolve())
     now = int(time.time() * 1000)
@@ -71,12 +71,12 @@ def encode(method: str, run_id: str, **kwargs: Any) -> dict[str, Any]:
     return record
 
 
-def plain(value: Any) -> Any:
+def json_ready(value: Any) -> Any:
     """MLflow entities (Metric, Param, DatasetInput, ...) as JSON-ready dicts, recursively."""
     if isinstance(value, list | tuple):
-        return [plain(item) for item in value]
+        return [json_ready(item) for item in value]
     if hasattr(type(value), "from_dictionary"):
-        return {key: plain(item) for key, item in value}
+        return {key: json_ready(item) for key, item in value}
     return value
 
 
