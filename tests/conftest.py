@@ -267,7 +267,8 @@ def job_factory(tiny_root: Path, tmp_path: Path) -> Iterator:
     jobs: list[Job] = []
 
     def start(*overrides: str, env: dict[str, str] | None = None) -> Job:
-        jobs.append(Job(tmp_path, *tiny_overrides(tiny_root), *overrides, env=env))
+        # The model too: it is the last record, the one an outage at the end leaves to src.sync.
+        jobs.append(Job(tmp_path, *tiny_overrides(tiny_root, model=True), *overrides, env=env))
         return jobs[-1]
 
     yield start

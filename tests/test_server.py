@@ -294,7 +294,7 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
         for name, _, value in assignments
     }
     typed = [arg.replace(override(tokens, "logger.tracking_uri"), url) for arg in arguments(tokens)]
-    job = [*tiny_overrides(tiny_root), "trainer.max_epochs=1", "hydra.run.dir=run"]
+    job = [*tiny_overrides(tiny_root, model=True), "trainer.max_epochs=1", "hydra.run.dir=run"]
     run_entry("train", *typed, *job, cwd=tmp_path, env=login)
     assert files_holding(password, tmp_path / "run") == []
     assert files_holding(ADMIN_PASSWORD, service_data, max_size=10**7) == []

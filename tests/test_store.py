@@ -127,7 +127,7 @@ def test_a_team_server_with_accounts_as_docs_mlflow_md_shows(
     env = {name: value.replace("<password>", USERS["ann"]) for name, _, value in assignments}
     uri = override(tokens, "logger.tracking_uri")
     host = auth_server.removeprefix("http://")
-    job = [*tiny_overrides(tiny_root), "trainer.max_epochs=1"]
+    job = [*tiny_overrides(tiny_root, model=True), "trainer.max_epochs=1"]
     typed = [arg.replace(uri, auth_server) for arg in arguments(tokens)]
     run_entry("train", *typed, *job, "hydra.run.dir=page", cwd=tmp_path, env=env)
 
@@ -222,7 +222,7 @@ def test_a_tls_server_untrusted_or_asked_in_plain_http_ends_in_one_line(
     http://, each ends the job in one line naming the cause and the fix, with no output folder
     and no run; with MLFLOW_TRACKING_SERVER_CERT_PATH set the job logs a FINISHED run."""
     url, certificate = tls_server
-    job = [*tiny_overrides(tiny_root), "trainer.max_epochs=1"]
+    job = [*tiny_overrides(tiny_root, model=True), "trainer.max_epochs=1"]
     plain = url.replace("https://", "http://")
     expected = {
         url: f"does not trust (self-signed certificate). Set {CERTIFICATE}",
