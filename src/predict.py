@@ -10,12 +10,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from src.eval import from_checkpoint
 from src.task import TASK
-from src.template import entry, reporting, tracking
-from src.template.config import ConfigError, check_choice
+from src.template import entry, reporting
+from src.template.config import ConfigError
+from src.template.job import CheckpointJob
 from src.template.task import Task
-from src.template.trainer import build_callbacks, build_trainer
 
 
 def predict(cfg: DictConfig, task: Task) -> Path:
@@ -27,21 +26,16 @@ def predict(cfg: DictConfig, task: Task) -> Path:
             )
         out = Path(cfg.paths.output_dir) / "predictions_images.csv"
         return task.predict_files(cfg.ckpt_path, cfg.images, out, task)
-    check_choice("split", cfg.split, ("test", "val", "train"))
-    model, datamodule, source = from_checkpoint(cfg, task)  # shared with src.eval
-    datamodule.predict_split = cfg.split
-    datamodule.prepare_data()
-    datamodule.load("predict")  # bad data fails now
-    reporting.show_config(cfg)
-    path = Path(cfg.paths.output_dir) / f"predictions_{cfg.split}.csv"
-    writer = reporting.PredictionWriter(path, task.predictions, datamodule)
-    callbacks = [*build_callbacks(cfg, monitor=None), writer]
-    trainer = build_trainer(cfg, loggers=[], callbacks=callbacks, fitting=False)
-    trainer.predict(model, datamodule=datamodule, return_predictions=True)
-    reporting.report_metrics(writer.metrics, cfg.paths.output_dir)
+    job = CheckpointJob(cfg, task, splits=("test", "val", "train"))  # shared with src.eval
+    job.load_data("predict")  # bad data fails now
+    path = job.output_dir / f"predictions_{job.split}.csv"
+    writer = reporting.PredictionWriter(path, task.predictions, job.datamodule)
+    trainer = job.eval_trainer(loggers=[], callbacks=[writer])
+    trainer.predict(job.model, datamodule=job.datamodule, return_predictions=True)
+    job.report_results(writer.metrics)
     reporting.show_written("predictions", writer.path)
     # The CSV also goes to the training run the checkpoint came from (if it was tracked).
-    tracking.attach_to_source_run(source, writer.path, folder="predictions")
+    job.attach_to_source_run(writer.path, folder="predictions")
     return writer.path
 
 

@@ -164,3 +164,38 @@ def test_one_assignment_per_line() -> None:
         and isinstance(node.value, ast.Tuple)
     ]
     assert not packed, f"split these into one assignment each: {packed}"
+
+
+def machinery_names(path: Path) -> tuple[set[str], set[str]]:
+    """The machinery's names an entry point uses and the modules they come from:
+    ``from src.template.job import TrainingJob`` is one name of ``src.template.job``,
+    ``from src.template import entry`` then ``entry.main`` one name of ``src.template.entry``."""
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    modules: set[str] = set()
+    imported_modules: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("src.template"):
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in SOURCES:  # a module: its attributes count
+                    imported_modules.add(alias.name)
+                    modules.add(f"{node.module}.{alias.name}")
+                else:
+                    names.add(alias.name)
+                    modules.add(node.module)
+    for node in ast.walk(tree):
+        value = node.value if isinstance(node, ast.Attribute) else None
+        if isinstance(value, ast.Name) and value.id in imported_modules:
+            names.add(f"{value.id}.{node.attr}")
+    return names, modules
+
+
+def test_entry_points_speak_to_a_few_lifecycle_objects() -> None:
+    """train, eval and predict each use at most 12 of the machinery's names from at most 5 of its
+    modules: a reader follows a job through a few objects (TrainingJob, CheckpointJob,
+    TrackedRun), not through a dozen modules."""
+    for entry_point in ("train", "eval", "predict"):
+        names, modules = machinery_names(PROJECT / "src" / f"{entry_point}.py")
+        assert "src.template.entry" in modules, "the count sees the entry points' imports"
+        assert len(names) <= 12, f"src/{entry_point}.py uses {sorted(names)}"
+        assert len(modules) <= 5, f"src/{entry_point}.py imports {sorted(modules)}"

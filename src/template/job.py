@@ -1,0 +1,191 @@
+"""A job from its config: checked once, planned (where it starts, or that it has nothing left to
+do), built (its data and model), and given its Trainer. What the entry points speak to, so that
+each reads as compose → plan → build → run → record (docs/layout.md)."""
+
+import re
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from src.template import checkpoint, reporting, sweep_run, sweeps
+from src.template.config import (
+    as_config_error,
+    check_choice,
+    check_keys,
+    check_sections,
+    typed_keys,
+)
+from src.template.distributed import check_shardable, srun_starts_ranks, use_sync_batchnorm
+from src.template.resume import SeedEachBatch
+from src.template.start import Start, where_to_start
+from src.template.task import Task
+from src.template.tracked_run import TrackedRun
+from src.template.trainer import build_callbacks, build_trainer, check_settings
+
+
+class TrainingJob:
+    """``python -m src.train``'s job: its checks, where it starts, its data, model and Trainer,
+    and its result recorded in its folder (a job run again there resumes or reads it back)."""
+
+    def __init__(self, cfg: DictConfig, task: Task, world_size: int, weights: dict | None) -> None:
+        self.cfg = cfg
+        self.task = task
+        self.world_size = world_size
+        self.weights = weights  # weights_from=: a new job from a checkpoint's weights
+        self.output_dir = Path(cfg.paths.output_dir)
+        self.start = Start()
+        self.done = False  # nothing left to do here: ``result`` is the job's
+        self.result: float | None = None
+        self.seed: int | None = None
+
+    @classmethod
+    def plan(cls, cfg: DictConfig, task: Task) -> "TrainingJob":
+        """Every check that needs no data, then where the job starts: fresh, from a checkpoint of
+        the same job, or nowhere (finished earlier, or run in a process of its own)."""
+        world_size = check_settings(cfg, fitting=True)
+        check_keys("data", cfg.data, task.datamodule_class(cfg.data.name))
+        check_sections(cfg, task.config_targets(OmegaConf.to_container(cfg.model, resolve=True)))
+        job = cls(cfg, task, world_size, checkpoint.read_weights(cfg))
+        earlier = sweeps.earlier_run(job.output_dir, cfg.ckpt_path)  # the same job run again
+        if earlier and "result" in earlier:
+            print(f"{job.output_dir}: this job finished in an earlier run; its result is read back")
+            return job.finished(earlier["result"])
+        if sweeps.in_multirun() and world_size > 1 and not srun_starts_ranks(world_size):
+            # A DDP job of a local sweep: see src/template/sweeps.py
+            return job.finished(sweeps.run_sweep_job_in_own_process(cfg.optimized_metric))
+        job.start = where_to_start(cfg, job.output_dir, ran_before=earlier is not None)
+        if job.start.read_back:  # a finished job with nothing left to train
+            return job.finished(job.start.result)
+        return job
+
+    def finished(self, result: float | None) -> "TrainingJob":
+        self.done = True
+        self.result = result
+        return self
+
+    def build(self) -> tuple[L.LightningModule, L.LightningDataModule]:
+        """The seeded data (every split loaded) and model, checked against the checkpoint it
+        resumes from: bad data or a checkpoint of another job fails here, before any run or rank
+        process exists."""
+        cfg = self.cfg
+        self.seed = L.seed_everything(cfg.seed, workers=True, verbose=False)
+        data_class = self.task.datamodule_class(cfg.data.name)
+        datamodule = data_class(**OmegaConf.to_container(cfg.data, resolve=True))
+        datamodule.prepare_data()
+        datamodule.load()  # train, validation and test splits
+        with as_config_error("model"):
+            model = self.task.build_model(
+                OmegaConf.to_container(cfg.model, resolve=True), datamodule
+            )
+        check_shardable(cfg.strategy.name, model, self.task.sharded_blocks)
+        if self.weights:
+            checkpoint.load_weights(model, self.weights, Path(cfg.weights_from).name)
+        if self.start.saved:
+            checkpoint.check_fits(self.start.saved, model, datamodule, self.start.ckpt_path)
+        return model, datamodule
+
+    def tracked_run(self) -> TrackedRun:
+        """The job's run: a new one, the one its checkpoint recorded into, or, for a finished job
+        trained on, a new one after it (see :meth:`TrackedRun.for_training`)."""
+        return TrackedRun.for_training(self.cfg, self.start)
+
+    def fit_trainer(self, model: L.LightningModule, run: TrackedRun) -> L.Trainer:
+        """The job starts (recorded in its folder: run again there, it resumes); its config is
+        shown and its Trainer built, with the template's callbacks and the run's."""
+        cfg = self.cfg
+        out = self.output_dir
+        start = self.start
+        if start.ckpt_path and Path(start.ckpt_path).parent == out / "checkpoints":  # moot
+            warnings.filterwarnings(
+                "ignore", f"Checkpoint directory {re.escape(str(out))}.* is not"
+            )
+        sweeps.record_job(out)
+        reporting.show_config(cfg)
+        settings = checkpoint.settings_to_record(cfg, self.seed, start.saved)
+        callbacks: list[Callback] = [
+            *build_callbacks(cfg, monitor=(self.task.monitor, self.task.mode)),
+            SeedEachBatch(self.seed),
+            *run.training_callbacks(),
+            checkpoint.JobRecord(settings, checkpoint.job_overrides()),
+        ]
+        sync_bn = use_sync_batchnorm(cfg.strategy.sync_batchnorm, model, cfg.accelerator)
+        return build_trainer(cfg, run.loggers, callbacks, fitting=True, sync_batchnorm=sync_bn)
+
+    def best_checkpoint(self, trainer: L.Trainer) -> str:
+        """The best checkpoint by the monitored metric; without validation, the last one."""
+        last = self.output_dir / "checkpoints/last.ckpt"
+        return trainer.checkpoint_callback.best_model_path or str(last)
+
+    def report_outcome(
+        self,
+        metrics: dict[str, float],
+        model: L.LightningModule,
+        datamodule: L.LightningDataModule,
+        best: str,
+    ) -> tuple[L.LightningModule, list[Path]]:
+        """After fit and test: ``metrics.json``, then the model whole on rank 0 (FSDP's weights
+        gathered from ``best``) and the task's figures of it."""
+        reporting.report_metrics(metrics, self.output_dir, best_checkpoint=best)
+        model = checkpoint.whole_model(model, best, self.task)
+        figures = reporting.figures(self.task, model, datamodule, self.output_dir / "figures")
+        return model, figures
+
+    def record_result(self, metrics: dict[str, float]) -> float | None:
+        """The job's result (``optimized_metric``) in its folder and, for a sweep job, in the
+        sweep's parent run; returned for Hydra's sweepers."""
+        result = metrics.get(self.cfg.optimized_metric)
+        sweeps.record_job(self.output_dir, result=result)
+        sweep_run.summarize(self.cfg, self.task.mode)
+        return result
+
+
+class CheckpointJob:
+    """``src.eval``'s and ``src.predict``'s job: a checkpoint's model, its data (``cfg.data``
+    becomes what is used) and its MLflow run, on one of ``splits``."""
+
+    def __init__(self, cfg: DictConfig, task: Task, splits: tuple[str, ...]) -> None:
+        check_choice("split", cfg.split, splits)
+        check_settings(cfg, fitting=False)
+        check_keys("data", cfg.data, task.datamodule_class(cfg.data.name))
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
+        data = OmegaConf.to_container(cfg.data, resolve=True)
+        loaded = checkpoint.load_for_inference(cfg.ckpt_path, data, typed_keys("data"), task)
+        self.model, self.datamodule, self.source = loaded
+        check_shardable(cfg.strategy.name, self.model, task.sharded_blocks)
+        with open_dict(cfg):
+            cfg.data = OmegaConf.create(dict(self.datamodule.hparams))
+        self.cfg = cfg
+        self.split = cfg.split
+        self.output_dir = Path(cfg.paths.output_dir)
+
+    def load_data(self, stage: str) -> None:
+        """The data of ``stage`` (Lightning's: test, validate, predict) read now: bad data fails
+        before any run exists."""
+        if stage == "predict":
+            self.datamodule.predict_split = self.split
+        self.datamodule.prepare_data()
+        self.datamodule.load(stage)
+
+    def evaluation_run(self) -> TrackedRun:
+        """An evaluation's own run, linked to (and in the same store nested under) the training
+        run the checkpoint came from."""
+        return TrackedRun.for_checkpoint(self.cfg, self.source)
+
+    def eval_trainer(self, loggers: list[Logger], callbacks: Sequence[Callback] = ()) -> L.Trainer:
+        """Its config shown, the Trainer with the template's callbacks and ``callbacks``."""
+        reporting.show_config(self.cfg)
+        callbacks = [*build_callbacks(self.cfg, monitor=None), *callbacks]
+        return build_trainer(self.cfg, loggers, callbacks, fitting=False)
+
+    def attach_to_source_run(self, path: Path, folder: str) -> None:
+        """A file it wrote (predictions) also goes to the checkpoint's training run, if tracked."""
+        TrackedRun.attach_to(self.source, path, folder)
+
+    def report_results(self, metrics: dict[str, Any]) -> None:
+        reporting.report_metrics(metrics, self.output_dir)

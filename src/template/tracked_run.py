@@ -1,0 +1,92 @@
+"""A job's run record as one object: its loggers (the MLflow run, TensorBoard, CSV, extra), the
+callbacks that keep the run's books, and ``with run.recording(trainer):`` around the Trainer's
+work, which records the config, sends the records and ends the run FINISHED, FAILED or KILLED."""
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig
+
+from src.template import checkpoint, tracking
+from src.template.shutdown import run_lifecycle
+from src.template.start import Start, say
+from src.template.task import Task
+
+
+class TrackedRun:
+    """The loggers of one job and what it records into them; ``history``: the (finished run,
+    first step not copied) whose epochs a lengthened job's new run starts with."""
+
+    def __init__(
+        self, cfg: DictConfig, loggers: list[Logger], history: tuple[str, int] | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.loggers = loggers
+        self.history = history
+
+    @classmethod
+    def for_training(cls, cfg: DictConfig, start: Start) -> "TrackedRun":
+        """A new run, or the one the resumed checkpoint recorded into; a finished job trained on
+        (lengthened) records into a new run that starts with the finished run's epochs."""
+        if start.finished_run is None:
+            continue_run = tracking.run_to_continue(start.saved, cfg, auto=start.auto)
+            return cls(cfg, tracking.build_loggers(cfg, continue_run=continue_run))
+        say(
+            f"{Path(start.ckpt_path).parent.parent}: this job finished; it trains on into a new "
+            f"MLflow run (tag continues_run={start.finished_run}), its finished run left as it was"
+        )
+        tags = {"continues_run": start.finished_run} if start.finished_run else {}
+        loggers = tracking.build_loggers(cfg, extra_tags=tags)
+        history = None
+        if start.finished_run and cfg.logger.get("continue_run", True):  # false: its own epochs
+            history = (start.finished_run, checkpoint.epochs_done(start.saved))
+        return cls(cfg, loggers, history)
+
+    @classmethod
+    def for_checkpoint(cls, cfg: DictConfig, source: Mapping[str, str] | None) -> "TrackedRun":
+        """An evaluation's own run, tagged with (in the same store: nested under) ``source``,
+        the training run its checkpoint came from."""
+        tags = tracking.source_tags(source, cfg.ckpt_path, cfg.logger.get("tracking_uri", ""))
+        return cls(cfg, tracking.build_loggers(cfg, extra_tags=tags))
+
+    def training_callbacks(self) -> list[Callback]:
+        """The run's bookkeeping in checkpoints, and system metrics (one sampler per node)."""
+        return tracking.callbacks(self.loggers, self.cfg)
+
+    @contextmanager
+    def recording(self, trainer: L.Trainer) -> Iterator[None]:
+        """Around the Trainer's work: stop signals handled, the config logged as params (and a
+        lengthened job's history copied), the records sent; the run never left RUNNING."""
+        with tracking.sending(self.loggers, self.cfg), run_lifecycle(trainer):
+            tracking.log_config(self.loggers, self.cfg, trainer)
+            if self.history:
+                tracking.copy_history(self.loggers, self.cfg, *self.history)
+            yield
+
+    def record_outcome(
+        self,
+        task: Task,
+        model: L.LightningModule,
+        datamodule: Any,
+        best_checkpoint: str,
+        figures: list[Path],
+        step: int,
+        metrics: Sequence[str],
+    ) -> None:
+        """After training: the data read, the files (config, metrics, best checkpoint, figures)
+        and the task's exported model, logged at ``step`` with its final ``metrics``."""
+        out = Path(self.cfg.paths.output_dir)
+        tracking.log_outcome(self.loggers, datamodule, out, best_checkpoint, figures)
+        tracking.log_model(
+            self.loggers, self.cfg.logger, task, model, datamodule, out, step, metrics
+        )
+
+    @staticmethod
+    def attach_to(source: Mapping[str, str] | None, path: Path, folder: str) -> None:
+        """A file (predictions) added to the training run ``source``, if the checkpoint had one."""
+        tracking.attach_to_source_run(source, path, folder)
