@@ -21,6 +21,7 @@ from src.task.nets.convnet import ConvNet
 from src.template.config import check_keys, check_sections, describe_config_error, flatten
 from src.template.distributed import check_devices
 from src.template.entry import SET_ELSEWHERE
+from src.template.settings import JobSettings
 from src.template.sweeps import register_resolvers
 from src.template.tracking import build_loggers
 from src.template.trainer import build_callbacks, build_trainer, check_settings
@@ -86,7 +87,8 @@ def test_group_option_composes_and_builds(name: str, override: str, tmp_path: Pa
     assert model(torch.zeros(2, *datamodule.image_shape)).shape == (2, datamodule.num_classes)
     fitting = name == "train"
     callbacks = build_callbacks(cfg, (TASK.monitor, TASK.mode) if fitting else None)
-    trainer = build_trainer(cfg, build_loggers(cfg), callbacks, fitting=fitting)
+    settings = JobSettings.from_config(cfg)
+    trainer = build_trainer(cfg, settings, build_loggers(cfg, settings), callbacks, fitting=fitting)
     assert trainer.world_size == cfg.devices * cfg.num_nodes
     assert datamodule.hparams.batch_size == cfg.data.batch_size
 
@@ -205,7 +207,8 @@ def test_invalid_node_counts(num_nodes: object) -> None:
 
 def test_evaluation_takes_a_batch_the_world_does_not_divide(tmp_path: Path) -> None:
     cfg = compose_config("eval", ["strategy=ddp", "devices=3"], tmp_path)
-    assert check_settings(cfg, fitting=False) == 3  # 128 samples split by samples, not refused
+    settings = check_settings(cfg, fitting=False)  # 128 samples split by samples, not refused
+    assert settings.world_size == 3
     with pytest.raises(Exception, match="must be divisible by the world size 3"):
         check_settings(cfg, fitting=True)
 

@@ -24,6 +24,7 @@ from torch.utils.data import TensorDataset
 
 from src.template.distributed import WatchedDDPStrategy, check_shardable, shard
 from src.template.resume import GlobalBatchSampler
+from src.template.settings import JobSettings
 from src.template.trainer import build_trainer
 from tests.conftest import (
     N_TEST,
@@ -130,7 +131,7 @@ def test_several_processes_always_get_the_watched_ddp(
     overrides: list[str], watched: bool, tmp_path: Path
 ) -> None:
     cfg = compose_config("train", ["logger=none", "strategy.timeout_s=60", *overrides], tmp_path)
-    strategy = build_trainer(cfg, [], [], fitting=False).strategy
+    strategy = build_trainer(cfg, JobSettings.from_config(cfg), [], [], fitting=False).strategy
     assert isinstance(strategy, WatchedDDPStrategy) == watched
     if watched:
         assert strategy._timeout.total_seconds() == 60

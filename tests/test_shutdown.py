@@ -11,6 +11,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from src.template.settings import JobSettings
 from src.template.shutdown import run_lifecycle, stop_line
 from src.template.tracking import build_loggers, log_config
 from src.template.trainer import build_callbacks, build_trainer
@@ -23,7 +24,10 @@ def test_errors_fail_the_run_and_interrupts_kill_it(tmp_path: Path) -> None:
     client = MlflowClient(cfg.logger.tracking_uri)
     for error, status in ((RuntimeError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED")):
         callbacks = build_callbacks(cfg, monitor=None)
-        trainer = build_trainer(cfg, build_loggers(cfg), callbacks, fitting=False)
+        settings = JobSettings.from_config(cfg)
+        trainer = build_trainer(
+            cfg, settings, build_loggers(cfg, settings), callbacks, fitting=False
+        )
         with pytest.raises((RuntimeError, SystemExit)) as raised, run_lifecycle(trainer):
             log_config(trainer.loggers, cfg, trainer)
             raise error
@@ -117,6 +121,7 @@ import subprocess, sys, time
 from types import SimpleNamespace
 sys.path.insert(0, {str(PROJECT)!r})
 from src.template.shutdown import watch_ranks
+from src.template.settings import JobSettings
 rank = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"])
 trainer = SimpleNamespace(loggers=[], callbacks=[], default_root_dir={str(tmp_path)!r})
 watch_ranks([rank], 1, trainer, every_s=0.2, grace_s=1)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from src.template.settings import JobSettings
 from src.template.start import finished_job_run, say_auto_started_fresh
 from tests.test_config import compose_config
 
@@ -36,9 +37,12 @@ def test_a_job_finished_when_its_job_json_says_so_not_when_lightning_ended_its_r
     saved = {"mlflow": {"run_id": run_id, "tracking_uri": cfg.logger.tracking_uri}}
     folder = tmp_path / "job"
     last = str(folder / "checkpoints" / "last.ckpt")
-    assert finished_job_run(saved, cfg, last) == run_id  # no job.json: the run's status says
+    settings = JobSettings.from_config(cfg)
+    # No job.json: the run's status says.
+    assert finished_job_run(saved, cfg, settings, last) == run_id
     folder.mkdir()
     (folder / "job.json").write_text(json.dumps({"overrides": []}))
-    assert finished_job_run(saved, cfg, last) is None  # killed before its result: it goes on
+    # Killed before its result: it goes on.
+    assert finished_job_run(saved, cfg, settings, last) is None
     (folder / "job.json").write_text(json.dumps({"overrides": [], "result": 0.9}))
-    assert finished_job_run(saved, cfg, last) == run_id
+    assert finished_job_run(saved, cfg, settings, last) == run_id

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from src.task import TASK
 from src.template.config import flatten
+from src.template.settings import JobSettings
 from src.template.store import (
     TrackingError,
     artifact_location,
@@ -64,10 +65,11 @@ def test_logger_run_id_names_a_run_of_the_store(tmp_path: Path) -> None:
     client = MlflowClient(uri)
     run = client.create_run(client.get_experiment_by_name("mnist").experiment_id)
     named = [f"logger.tracking_uri={uri}", f"logger.run_id={run.info.run_id}"]
-    assert run_to_continue(None, compose_config("train", named, tmp_path)) == run.info.run_id
+    cfg = compose_config("train", named, tmp_path)
+    assert run_to_continue(None, cfg, JobSettings.from_config(cfg)) == run.info.run_id
     unknown = compose_config("train", [f"logger.tracking_uri={uri}", "logger.run_id=0ff"], tmp_path)
     with pytest.raises(TrackingError, match="logger.run_id=0ff is not a run of sqlite:///"):
-        run_to_continue(None, unknown)
+        run_to_continue(None, unknown, JobSettings.from_config(unknown))
 
 
 def test_jobs_starting_together_on_a_fresh_store_all_get_it(tmp_path: Path) -> None:
@@ -104,7 +106,8 @@ def test_credentials_are_masked() -> None:
 
 @pytest.mark.parametrize("kind", ["none", "csv", "mlflow"])
 def test_logger_kinds(kind: str, tmp_path: Path) -> None:
-    loggers = build_loggers(compose_config("train", [f"logger={kind}"], tmp_path))
+    cfg = compose_config("train", [f"logger={kind}"], tmp_path)
+    loggers = build_loggers(cfg, JobSettings.from_config(cfg))
     expected = {"none": [], "csv": [CSVLogger], "mlflow": [MLFlowLogger]}[kind]
     assert len(loggers) == len(expected)
     assert all(isinstance(logger, cls) for logger, cls in zip(loggers, expected, strict=True))
@@ -119,7 +122,7 @@ def test_an_offline_logger_opens_no_connection(tmp_path: Path) -> None:
         port = s.getsockname()[1]  # nothing listens there
     url = f"http://127.0.0.1:{port}"
     cfg = compose_config("train", ["logger.offline=true", f"logger.tracking_uri={url}"], tmp_path)
-    (logger,) = build_loggers(cfg)
+    (logger,) = build_loggers(cfg, JobSettings.from_config(cfg))
     assert logger.run_id.startswith("offline-"), "the placeholder the outbox records carry"
     logger.log_metrics({"train/loss": 0.5, "epoch": 0})
     logger.finalize("success")
@@ -131,9 +134,8 @@ def test_an_offline_logger_opens_no_connection(tmp_path: Path) -> None:
 def test_run_tags_and_notes_land_on_the_run(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     typed = ["logger.tags={team: vision, data: v2}", "logger.notes='first try, on CPU'"]
-    (logger,) = build_loggers(
-        compose_config("train", [f"logger.tracking_uri={uri}", *typed], tmp_path)
-    )
+    cfg = compose_config("train", [f"logger.tracking_uri={uri}", *typed], tmp_path)
+    (logger,) = build_loggers(cfg, JobSettings.from_config(cfg))
     tags = MlflowClient(uri).get_run(logger.run_id).data.tags  # run_id opens the run
     assert tags["team"] == "vision" and tags["data"] == "v2"
     assert tags["mlflow.note.content"] == "first try, on CPU", "the UI's run description"
@@ -150,7 +152,7 @@ def test_run_tags_and_notes_land_on_the_run(tmp_path: Path) -> None:
 def test_tags_that_cannot_be_set(override: str, message: str, tmp_path: Path) -> None:
     cfg = compose_config("train", [override], tmp_path)
     with pytest.raises(TrackingError, match=f"^{re.escape(message)}"):
-        build_loggers(cfg)
+        build_loggers(cfg, JobSettings.from_config(cfg))
     assert not (tmp_path / "mlflow.db").exists(), "refused before the store is opened"
 
 
@@ -163,7 +165,8 @@ def test_the_description_is_set_by_logger_notes() -> None:
 @pytest.mark.parametrize("kind", ["none", "csv", "mlflow"])
 def test_tensorboard_beside_any_logger(kind: str, tmp_path: Path) -> None:
     cfg = compose_config("train", [f"logger={kind}", "logger.tensorboard=true"], tmp_path)
-    (tensorboard,) = [x for x in build_loggers(cfg) if isinstance(x, TensorBoardLogger)]
+    loggers = build_loggers(cfg, JobSettings.from_config(cfg))
+    (tensorboard,) = [x for x in loggers if isinstance(x, TensorBoardLogger)]
     assert Path(tensorboard.log_dir) == Path(cfg.paths.output_dir) / "tensorboard"
 
 
@@ -179,7 +182,7 @@ def test_a_network_that_cannot_be_exported_costs_a_warning_not_the_job(
     tiny_root: Path, tmp_path: Path
 ) -> None:
     cfg = compose_config("train", [f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"], tmp_path)
-    loggers = build_loggers(cfg)
+    loggers = build_loggers(cfg, JobSettings.from_config(cfg))
     datamodule = make_module(tiny_root)
     datamodule.prepare_data()
     datamodule.load("test")
@@ -197,7 +200,8 @@ def test_a_task_without_export_says_it_logged_no_model(
 
     cfg = compose_config("train", [f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"], tmp_path)
     task = replace(TASK, export=None)
-    log_model(build_loggers(cfg), cfg.logger, task, None, None, tmp_path, step=1, metrics=[])
+    loggers = build_loggers(cfg, JobSettings.from_config(cfg))
+    log_model(loggers, cfg.logger, task, None, None, tmp_path, step=1, metrics=[])
     assert "No MLflow model logged: the task has no export" in capsys.readouterr().out
 
 
@@ -209,6 +213,26 @@ def test_unreachable_server_is_a_clear_error_at_once(tmp_path: Path) -> None:
         TrackingError, match=f"MLflow server http://u:\\*\\*\\*@127.0.0.1:{port} is not"
     ):
         prepare_store(f"http://u:pw@127.0.0.1:{port}", "mnist")
+
+
+@pytest.mark.slow
+def test_a_csv_job_never_imports_mlflow(tiny_root: Path, tmp_path: Path) -> None:
+    """``logger=csv`` (and ``none``) pays nothing for MLflow: the job, its rank and loader
+    processes included, imports no ``mlflow`` module (Python's own import log says which it
+    imports: ``PYTHONPROFILEIMPORTTIME``)."""
+    run_dir = tmp_path / "run"
+    proc = run_entry(
+        "train",
+        *tiny_overrides(tiny_root, logger="csv"),
+        "trainer.max_epochs=1",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        env={"PYTHONPROFILEIMPORTTIME": "1"},
+    )
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "src.template.tracking" in imported, "the import log lists the job's modules"
+    assert not {name for name in imported if name.split(".")[0] == "mlflow"}
+    assert (run_dir / "csv" / "metrics.csv").is_file()
 
 
 # --- real jobs against a real `mlflow server`

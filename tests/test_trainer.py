@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
 from omegaconf import OmegaConf
 
 from src.task import TASK
+from src.template.settings import JobSettings
 from src.template.tracking import build_loggers
 from src.template.trainer import (
     SET_BY_TEMPLATE,
@@ -58,12 +59,13 @@ def test_every_trainer_argument_is_a_trainer_key_at_its_default() -> None:
 def test_any_trainer_argument_reaches_the_trainer(tmp_path: Path) -> None:
     overrides = ["trainer.accumulate_grad_batches=2", "trainer.val_check_interval=0.5"]
     cfg = compose_config("train", overrides, tmp_path)  # no +: the key is there
-    check_settings(cfg, fitting=True)
-    trainer = build_trainer(cfg, [], [], fitting=True)
+    settings = check_settings(cfg, fitting=True)
+    trainer = build_trainer(cfg, settings, [], [], fitting=True)
     assert (trainer.accumulate_grad_batches, trainer.val_check_interval) == (2, 0.5)
     assert isinstance(trainer.profiler, NoProfiler)  # trainer.profiler=null: no cost per hook
     cfg = compose_config("train", ["debug=profiler"], tmp_path)
-    assert type(build_trainer(cfg, [], [], fitting=True).profiler).__name__ == "SimpleProfiler"
+    profiler = build_trainer(cfg, settings, [], [], fitting=True).profiler
+    assert type(profiler).__name__ == "SimpleProfiler"
 
 
 def test_callbacks_and_loggers_come_from_config(tmp_path: Path) -> None:
@@ -79,7 +81,7 @@ def test_callbacks_and_loggers_come_from_config(tmp_path: Path) -> None:
     callbacks = build_callbacks(cfg, monitor=(TASK.monitor, TASK.mode))
     (stopping,) = [c for c in callbacks if isinstance(c, EarlyStopping)]
     assert stopping.monitor == "val/loss" and stopping.patience == 3
-    mlflow, csv = build_loggers(cfg)
+    mlflow, csv = build_loggers(cfg, JobSettings.from_config(cfg))
     assert isinstance(mlflow, MLFlowLogger) and isinstance(csv, CSVLogger)
     assert Path(csv.save_dir) == tmp_path
 
@@ -136,7 +138,6 @@ def test_a_trainer_warning_is_shown_once_not_again_by_the_trial_build(tmp_path: 
     cfg = compose_config("train", ["accelerator=cpu", "trainer.precision=16-mixed"], tmp_path)
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
-        check_settings(cfg, fitting=True)
-        build_trainer(cfg, [], [], fitting=True)
+        build_trainer(cfg, check_settings(cfg, fitting=True), [], [], fitting=True)
     amp = [w for w in shown if "AMP with fp16 is not supported on CPU" in str(w.message)]
     assert len(amp) == 1, [str(w.message) for w in shown]

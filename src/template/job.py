@@ -21,8 +21,9 @@ from src.template.config import (
     check_sections,
     typed_keys,
 )
-from src.template.distributed import check_shardable, srun_starts_ranks, use_sync_batchnorm
+from src.template.distributed import check_shardable, use_sync_batchnorm
 from src.template.resume import SeedEachBatch
+from src.template.settings import JobSettings
 from src.template.start import Start, where_to_start
 from src.template.task import Task
 from src.template.tracked_run import TrackedRun
@@ -33,12 +34,14 @@ class TrainingJob:
     """``python -m src.train``'s job: its checks, where it starts, its data, model and Trainer,
     and its result recorded in its folder (a job run again there resumes or reads it back)."""
 
-    def __init__(self, cfg: DictConfig, task: Task, world_size: int, weights: dict | None) -> None:
+    def __init__(
+        self, cfg: DictConfig, task: Task, settings: JobSettings, weights: dict | None
+    ) -> None:
         self.cfg = cfg
         self.task = task
-        self.world_size = world_size
+        self.settings = settings  # computed once: what lower layers take instead of ``cfg``
         self.weights = weights  # weights_from=: a new job from a checkpoint's weights
-        self.output_dir = Path(cfg.paths.output_dir)
+        self.output_dir = settings.output_dir
         self.start = Start()
         self.done = False  # nothing left to do here: ``result`` is the job's
         self.result: float | None = None
@@ -48,18 +51,18 @@ class TrainingJob:
     def plan(cls, cfg: DictConfig, task: Task) -> "TrainingJob":
         """Every check that needs no data, then where the job starts: fresh, from a checkpoint of
         the same job, or nowhere (finished earlier, or run in a process of its own)."""
-        world_size = check_settings(cfg, fitting=True)
+        settings = check_settings(cfg, fitting=True)
         check_keys("data", cfg.data, task.datamodule_class(cfg.data.name))
         check_sections(cfg, task.config_targets(OmegaConf.to_container(cfg.model, resolve=True)))
-        job = cls(cfg, task, world_size, checkpoint.read_weights(cfg))
+        job = cls(cfg, task, settings, checkpoint.read_weights(cfg))
         earlier = sweeps.earlier_run(job.output_dir, cfg.ckpt_path)  # the same job run again
         if earlier and "result" in earlier:
             print(f"{job.output_dir}: this job finished in an earlier run; its result is read back")
             return job.finished(earlier["result"])
-        if sweeps.in_multirun() and world_size > 1 and not srun_starts_ranks(world_size):
+        if sweeps.in_multirun() and settings.world_size > 1 and settings.launcher != "srun":
             # A DDP job of a local sweep: see src/template/sweeps.py
             return job.finished(sweeps.run_sweep_job_in_own_process(cfg.optimized_metric))
-        job.start = where_to_start(cfg, job.output_dir, ran_before=earlier is not None)
+        job.start = where_to_start(cfg, settings, ran_before=earlier is not None)
         if job.start.read_back:  # a finished job with nothing left to train
             return job.finished(job.start.result)
         return job
@@ -93,7 +96,7 @@ class TrainingJob:
     def tracked_run(self) -> TrackedRun:
         """The job's run: a new one, the one its checkpoint recorded into, or, for a finished job
         trained on, a new one after it (see :meth:`TrackedRun.for_training`)."""
-        return TrackedRun.for_training(self.cfg, self.start)
+        return TrackedRun.for_training(self.cfg, self.settings, self.start)
 
     def fit_trainer(self, model: L.LightningModule, run: TrackedRun) -> L.Trainer:
         """The job starts (recorded in its folder: run again there, it resumes); its config is
@@ -115,7 +118,9 @@ class TrainingJob:
             checkpoint.JobRecord(settings, checkpoint.job_overrides()),
         ]
         sync_bn = use_sync_batchnorm(cfg.strategy.sync_batchnorm, model, cfg.accelerator)
-        return build_trainer(cfg, run.loggers, callbacks, fitting=True, sync_batchnorm=sync_bn)
+        return build_trainer(
+            cfg, self.settings, run.loggers, callbacks, fitting=True, sync_batchnorm=sync_bn
+        )
 
     def best_checkpoint(self, trainer: L.Trainer) -> str:
         """The best checkpoint by the monitored metric; without validation, the last one."""
@@ -151,7 +156,7 @@ class CheckpointJob:
 
     def __init__(self, cfg: DictConfig, task: Task, splits: tuple[str, ...]) -> None:
         check_choice("split", cfg.split, splits)
-        check_settings(cfg, fitting=False)
+        self.settings = check_settings(cfg, fitting=False)
         check_keys("data", cfg.data, task.datamodule_class(cfg.data.name))
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         data = OmegaConf.to_container(cfg.data, resolve=True)
@@ -162,7 +167,7 @@ class CheckpointJob:
             cfg.data = OmegaConf.create(dict(self.datamodule.hparams))
         self.cfg = cfg
         self.split = cfg.split
-        self.output_dir = Path(cfg.paths.output_dir)
+        self.output_dir = self.settings.output_dir
 
     def load_data(self, stage: str) -> None:
         """The data of ``stage`` (Lightning's: test, validate, predict) read now: bad data fails
@@ -175,13 +180,13 @@ class CheckpointJob:
     def evaluation_run(self) -> TrackedRun:
         """An evaluation's own run, linked to (and in the same store nested under) the training
         run the checkpoint came from."""
-        return TrackedRun.for_checkpoint(self.cfg, self.source)
+        return TrackedRun.for_checkpoint(self.cfg, self.settings, self.source)
 
     def eval_trainer(self, loggers: list[Logger], callbacks: Sequence[Callback] = ()) -> L.Trainer:
         """Its config shown, the Trainer with the template's callbacks and ``callbacks``."""
         reporting.show_config(self.cfg)
         callbacks = [*build_callbacks(self.cfg, monitor=None), *callbacks]
-        return build_trainer(self.cfg, loggers, callbacks, fitting=False)
+        return build_trainer(self.cfg, self.settings, loggers, callbacks, fitting=False)
 
     def attach_to_source_run(self, path: Path, folder: str) -> None:
         """A file it wrote (predictions) also goes to the checkpoint's training run, if tracked."""

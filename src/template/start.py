@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from src.template import checkpoint, reporting, sweeps, tracking
+from src.template.settings import JobSettings
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,10 @@ class Start:
     result: float | None = None
 
 
-def where_to_start(cfg: DictConfig, out: Path, ran_before: bool) -> Start:
-    """The start of the job ``cfg`` in its folder ``out`` (``ran_before``: a job.json there says
+def where_to_start(cfg: DictConfig, settings: JobSettings, ran_before: bool) -> Start:
+    """The start of the job ``cfg`` in its output folder (``ran_before``: a job.json there says
     it started once). A checkpoint of another job is refused in one line (CheckpointError)."""
+    out = settings.output_dir
     requested = cfg.ckpt_path or ("auto" if ran_before else None)  # run again: it resumes
     ckpt_path = checkpoint.resume_path(requested, out)
     auto = requested == "auto"
@@ -40,7 +42,7 @@ def where_to_start(cfg: DictConfig, out: Path, ran_before: bool) -> Start:
     checkpoint.check_strategy(ckpt_path, cfg.strategy.name)
     saved = checkpoint.read_checkpoint(ckpt_path, weights=False)  # its weights: fit loads them
     checkpoint.check_same_job(saved, cfg, ckpt_path)
-    finished_run = finished_job_run(saved, cfg, ckpt_path)
+    finished_run = finished_job_run(saved, cfg, settings, ckpt_path)
     folder = Path(ckpt_path).parent.parent
     if finished_run is not None and checkpoint.nothing_left_to_train(saved, cfg.trainer):
         say(
@@ -53,7 +55,9 @@ def where_to_start(cfg: DictConfig, out: Path, ran_before: bool) -> Start:
     return Start(ckpt_path, saved, finished_run, auto)
 
 
-def finished_job_run(saved: dict, cfg: DictConfig, ckpt_path: str) -> str | None:
+def finished_job_run(
+    saved: dict, cfg: DictConfig, settings: JobSettings, ckpt_path: str
+) -> str | None:
     """If the checkpoint's job finished: its run's id ("" if unknown); else None (the job goes on
     in its own run). Its folder's job.json says (the result is written last); a folder without
     one (a checkpoint moved, or older than job.json) asks whether its MLflow run FINISHED."""
@@ -62,7 +66,7 @@ def finished_job_run(saved: dict, cfg: DictConfig, ckpt_path: str) -> str | None
         if not sweeps.job_finished(folder):
             return None  # Lightning ends the run FINISHED after fit, before testing: not done
         return (saved.get("mlflow") or {}).get("run_id", "")
-    return tracking.finished_run(saved, cfg)
+    return tracking.finished_run(saved, cfg, settings)
 
 
 @rank_zero_only

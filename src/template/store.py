@@ -12,9 +12,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
-from src.template.distributed import launch_rank, requested_processes
 from src.template.environment import environment
 from src.template.files import folder_kept_if_used
 
@@ -39,11 +36,6 @@ FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOU
 
 class TrackingError(RuntimeError):
     """The tracking store cannot be used: the message says why and what to do."""
-
-
-def talks_to_store(cfg: DictConfig) -> bool:
-    """Only rank 0 opens the store: ranks started together would race to create its schema."""
-    return launch_rank(requested_processes(cfg.accelerator, cfg.devices, 1)) == 0
 
 
 def sqlite_file(tracking_uri: str) -> Path | None:

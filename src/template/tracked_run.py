@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
 from src.template import checkpoint, tracking
+from src.template.settings import JobSettings
 from src.template.shutdown import run_lifecycle
 from src.template.start import Start, say
 from src.template.task import Task
@@ -23,36 +24,44 @@ class TrackedRun:
     first step not copied) whose epochs a lengthened job's new run starts with."""
 
     def __init__(
-        self, cfg: DictConfig, loggers: list[Logger], history: tuple[str, int] | None = None
+        self,
+        cfg: DictConfig,
+        settings: JobSettings,
+        loggers: list[Logger],
+        history: tuple[str, int] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.settings = settings
         self.loggers = loggers
         self.history = history
 
     @classmethod
-    def for_training(cls, cfg: DictConfig, start: Start) -> "TrackedRun":
+    def for_training(cls, cfg: DictConfig, settings: JobSettings, start: Start) -> "TrackedRun":
         """A new run, or the one the resumed checkpoint recorded into; a finished job trained on
         (lengthened) records into a new run that starts with the finished run's epochs."""
         if start.finished_run is None:
-            continue_run = tracking.run_to_continue(start.saved, cfg, auto=start.auto)
-            return cls(cfg, tracking.build_loggers(cfg, continue_run=continue_run))
+            continue_run = tracking.run_to_continue(start.saved, cfg, settings, auto=start.auto)
+            loggers = tracking.build_loggers(cfg, settings, continue_run=continue_run)
+            return cls(cfg, settings, loggers)
         say(
             f"{Path(start.ckpt_path).parent.parent}: this job finished; it trains on into a new "
             f"MLflow run (tag continues_run={start.finished_run}), its finished run left as it was"
         )
         tags = {"continues_run": start.finished_run} if start.finished_run else {}
-        loggers = tracking.build_loggers(cfg, extra_tags=tags)
+        loggers = tracking.build_loggers(cfg, settings, extra_tags=tags)
         history = None
         if start.finished_run and cfg.logger.get("continue_run", True):  # false: its own epochs
             history = (start.finished_run, checkpoint.epochs_done(start.saved))
-        return cls(cfg, loggers, history)
+        return cls(cfg, settings, loggers, history)
 
     @classmethod
-    def for_checkpoint(cls, cfg: DictConfig, source: Mapping[str, str] | None) -> "TrackedRun":
+    def for_checkpoint(
+        cls, cfg: DictConfig, settings: JobSettings, source: Mapping[str, str] | None
+    ) -> "TrackedRun":
         """An evaluation's own run, tagged with (in the same store: nested under) ``source``,
         the training run its checkpoint came from."""
         tags = tracking.source_tags(source, cfg.ckpt_path, cfg.logger.get("tracking_uri", ""))
-        return cls(cfg, tracking.build_loggers(cfg, extra_tags=tags))
+        return cls(cfg, settings, tracking.build_loggers(cfg, settings, extra_tags=tags))
 
     def training_callbacks(self) -> list[Callback]:
         """The run's bookkeeping in checkpoints, and system metrics (one sampler per node)."""
@@ -80,7 +89,7 @@ class TrackedRun:
     ) -> None:
         """After training: the data read, the files (config, metrics, best checkpoint, figures)
         and the task's exported model, logged at ``step`` with its final ``metrics``."""
-        out = Path(self.cfg.paths.output_dir)
+        out = self.settings.output_dir
         tracking.log_outcome(self.loggers, datamodule, out, best_checkpoint, figures)
         tracking.log_model(
             self.loggers, self.cfg.logger, task, model, datamodule, out, step, metrics

@@ -20,11 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.template import store, sweep_run
 from src.template.config import as_config_error, flatten
-from src.template.distributed import requested_processes
 from src.template.files import write_text_atomically
 from src.template.outbox import Outbox, OutboxClient, Sender, encode, finish, offline_run_id
 from src.template.private import run_context_tags
 from src.template.resume import epoch_finished
+from src.template.settings import JobSettings
 from src.template.store import TrackingError, first_line, sqlite_file, without_password
 from src.template.sweeps import sweep_job
 from src.template.system_metrics import SystemMetrics
@@ -123,26 +123,35 @@ class OneFileTensorBoardLogger(TensorBoardLogger):
 
 
 def build_loggers(
-    cfg: DictConfig, extra_tags: Mapping[str, str] | None = None, continue_run: str | None = None
+    cfg: DictConfig,
+    settings: JobSettings,
+    extra_tags: Mapping[str, str] | None = None,
+    continue_run: str | None = None,
 ) -> list[Logger]:
     """``logger.kind=mlflow|csv|none`` (MLflow continues ``continue_run``), plus
     ``logger.tensorboard`` and ``logger.extra``: any Lightning logger by ``_target_``."""
     with as_config_error("logger.extra"):
         loggers = [instantiate(spec) for spec in cfg.logger.get("extra", {}).values()]
     if cfg.logger.get("tensorboard"):  # events in <output folder>/tensorboard/
-        loggers.insert(
-            0,
-            OneFileTensorBoardLogger(
-                cfg.paths.output_dir, name="tensorboard", version="", default_hp_metric=False
-            ),
+        tensorboard = OneFileTensorBoardLogger(
+            settings.output_dir, name="tensorboard", version="", default_hp_metric=False
         )
+        loggers.insert(0, tensorboard)
     kind = cfg.logger.kind
     if kind == "csv":
-        return [CSVLogger(save_dir=cfg.paths.output_dir, name="csv", version=""), *loggers]
+        return [CSVLogger(save_dir=settings.output_dir, name="csv", version=""), *loggers]
     if kind not in ("mlflow", "none"):
         raise ValueError(f"logger.kind={kind!r} is not one of mlflow, csv, none")
-    if kind == "none" or not store.talks_to_store(cfg):
+    if kind == "none" or not settings.opens_store:
         return loggers
+    return [mlflow_run_logger(cfg, settings, extra_tags or {}, continue_run), *loggers]
+
+
+def mlflow_run_logger(
+    cfg: DictConfig, settings: JobSettings, extra_tags: Mapping[str, str], run_id: str | None
+) -> "EpochMLFlowLogger":
+    """Rank 0's MLflow logger, its store made ready (a server: checked to answer), its run's tags
+    set; ``run_id``: the run it continues. A sweep job's run nests under its sweep's."""
     uri = cfg.logger.tracking_uri
     offline = bool(cfg.logger.get("offline"))
     if offline and sqlite_file(uri):
@@ -150,40 +159,39 @@ def build_loggers(
             "logger.offline=true is for an MLflow server (logger.tracking_uri=http://...); "
             "a SQLite store is written directly"
         )
-    tags = {**run_tags(cfg), **(extra_tags or {})}
+    tags = {**run_tags(cfg, settings), **extra_tags}
     tags = {**user_tags(cfg.logger, reserved=list(tags)), **tags}
     store.refuse_password_in_config(uri)  # one typed on the command line is gone by now
     if not offline:
         store.prepare_store(uri, cfg.logger.experiment_name)
-    if parent := sweep_run.parent_run(cfg):  # a sweep job's run nests under its sweep's
+    if parent := sweep_run.parent_run(cfg):
         tags["mlflow.parentRunId"] = parent
-    names = {"experiment_name": cfg.logger.experiment_name, "run_name": cfg.logger.run_name}
-    logger = EpochMLFlowLogger(
-        **names,
+    return EpochMLFlowLogger(
+        experiment_name=cfg.logger.experiment_name,
+        run_name=cfg.logger.run_name,
         tracking_uri=uri,
         artifact_location=store.artifact_location(uri),
         tags=tags,
-        run_id=offline_run_id() if offline else continue_run,
+        run_id=offline_run_id() if offline else run_id,
         offline=offline,
-        outbox_folder=Path(cfg.paths.output_dir),
+        outbox_folder=settings.output_dir,
     )
-    return [logger, *loggers]
 
 
 def mlflow_logger(loggers: list[Logger]) -> MLFlowLogger | None:
     return next((logger for logger in loggers if isinstance(logger, MLFlowLogger)), None)
 
 
-def run_tags(cfg: DictConfig) -> dict[str, str]:
+def run_tags(cfg: DictConfig, settings: JobSettings) -> dict[str, str]:
     """Where a run came from: command, overrides, output folder, host, sweep."""
     command = [f"python -m src.{Path(sys.argv[0]).stem}", *map(store.mask_override, sys.argv[1:])]
     tags = {
         "command": " ".join(command),
         "hydra.overrides": " ".join(map(store.mask_override, HydraConfig.get().overrides.task)),
-        "hydra.output_dir": str(cfg.paths.output_dir),
+        "hydra.output_dir": str(settings.output_dir),
         "host": socket.gethostname(),
         "task": str(cfg.task_name),
-        "world_size": str(requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)),
+        "world_size": str(settings.world_size),
     }
     tags["hydra.overrides"] = tags["hydra.overrides"] or "(none)"
     if job := sweep_job():
@@ -210,7 +218,7 @@ def user_tags(logger: DictConfig, reserved: Sequence[str]) -> dict[str, str]:
 
 
 def run_to_continue(
-    saved: Mapping[str, Any] | None, cfg: DictConfig, auto: bool = False
+    saved: Mapping[str, Any] | None, cfg: DictConfig, settings: JobSettings, auto: bool = False
 ) -> str | None:
     """``logger.run_id`` (refused if not a run of the store); else a resumed job's checkpoint's
     run if it is in this store and ``logger.continue_run``; with ``ckpt_path=auto`` and no
@@ -219,7 +227,7 @@ def run_to_continue(
         return None  # an offline placeholder's run does not exist on the server yet
     uri = cfg.logger.tracking_uri
     named = cfg.logger.get("run_id")
-    opened = Path(cfg.paths.output_dir, RUN_ID_FILE)
+    opened = settings.output_dir / RUN_ID_FILE
     here = without_password(uri)
     if not named:
         source = (saved or {}).get("mlflow")
@@ -228,7 +236,7 @@ def run_to_continue(
         if not cfg.logger.get("continue_run", True) or (source or {}).get("tracking_uri") != here:
             return None
     run_id = str(named or source["run_id"])
-    if not store.talks_to_store(cfg):
+    if not settings.opens_store:
         return run_id
     from mlflow import MlflowClient
 
@@ -247,14 +255,14 @@ def run_to_continue(
     return run_id
 
 
-def finished_run(saved: Mapping[str, Any], cfg: DictConfig) -> str | None:
+def finished_run(saved: Mapping[str, Any], cfg: DictConfig, settings: JobSettings) -> str | None:
     """The checkpoint's MLflow run if it FINISHED, in this store, when the store answers (a
     finished run is never reopened: a lengthened job records into a new run)."""
     source = saved.get("mlflow") or {}
     uri = cfg.logger.get("tracking_uri", "")
     if cfg.logger.kind != "mlflow" or cfg.logger.get("offline") or not source:
         return None
-    if source.get("tracking_uri") != without_password(uri) or not store.talks_to_store(cfg):
+    if source.get("tracking_uri") != without_password(uri) or not settings.opens_store:
         return None
     if (database := sqlite_file(uri)) and not database.is_file():
         return None  # no store here yet: asking would create one

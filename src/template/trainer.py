@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressB
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.profilers import PassThroughProfiler
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.model_summary import ModelSummary
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,11 +26,10 @@ from src.template.distributed import (
     WatchedDDPStrategy,
     WatchedFSDPStrategy,
     check_devices,
-    requested_processes,
-    srun_starts_ranks,
 )
 from src.template.environment import quiet
 from src.template.resume import MidEpochState, silence_resume_warning
+from src.template.settings import JobSettings
 from src.template.shutdown import StopOnSignal
 
 # Trainer arguments that build_trainer sets from other config: key -> where to set it instead.
@@ -46,21 +46,22 @@ SET_BY_TEMPLATE = {
 }
 
 
-def check_settings(cfg: DictConfig, fitting: bool) -> int:
+def check_settings(cfg: DictConfig, fitting: bool) -> JobSettings:
     """Refuse, before anything is written, settings that cannot work; for training also a global
-    batch the world size does not divide (evaluation splits by samples). Returns the world size."""
+    batch the world size does not divide (evaluation splits by samples). Returns the job's
+    settings, computed once."""
     check_devices(cfg.accelerator, cfg.devices, cfg.num_nodes)
+    settings = JobSettings.from_config(cfg)
     check_keys("trainer", cfg.trainer, L.Trainer, set_by=SET_BY_TEMPLATE)
     if cfg.seed is not None:
         check_count("seed", cfg.seed, 0)
     check_count("data.batch_size", cfg.data.batch_size, 1)
-    world = requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)
     if fitting:
         check_count("trainer.max_epochs", cfg.trainer.max_epochs, 1)  # the LR decays over them
         if (every := cfg.callbacks.checkpoint.get("every_n_train_steps")) is not None:
             check_count("callbacks.checkpoint.every_n_train_steps", every, 1)
         check_count("callbacks.stop_check_every_n_steps", cfg.callbacks.stop_check_every_n_steps, 1)
-        per_device_batch_size(cfg.data.batch_size, world)
+        per_device_batch_size(cfg.data.batch_size, settings.world_size)
     # A trial build: Lightning's own checks of the trainer values, before anything is written.
     # Quiet: the real build says the same (its info lines, its warnings) once.
     with (
@@ -68,8 +69,8 @@ def check_settings(cfg: DictConfig, fitting: bool) -> int:
         quiet("lightning.pytorch.utilities.rank_zero"),
         warnings.catch_warnings(action="ignore"),
     ):
-        build_trainer(cfg, [], [], fitting)
-    return world
+        build_trainer(cfg, settings, [], [], fitting)
+    return settings
 
 
 def build_callbacks(cfg: DictConfig, monitor: tuple[str, str] | None) -> list[Callback]:
@@ -167,8 +168,26 @@ class NoProfiler(PassThroughProfiler):
         return nullcontext()
 
 
+def watched_strategy(strategy: DictConfig, processes: int) -> str | Strategy:
+    """``strategy.name``: ddp (or auto for several processes) and fsdp as the template's watched
+    strategies (a dead rank is named and its job ended); else Lightning's own by name."""
+    launch = {
+        "watch_s": strategy.watch_s,
+        "exit_grace_s": strategy.exit_grace_s,
+        "process_group_backend": strategy.process_group_backend,  # null: nccl on GPU, else gloo
+        "timeout": timedelta(seconds=strategy.timeout_s),
+    }
+    if strategy.name == "ddp" or (strategy.name == "auto" and processes > 1):
+        return WatchedDDPStrategy(**launch, find_unused_parameters=strategy.find_unused_parameters)
+    if strategy.name == "fsdp":
+        sharded = strategy.sharded_checkpoints
+        return WatchedFSDPStrategy(**launch, ranks=processes, sharded_checkpoints=sharded)
+    return strategy.name
+
+
 def build_trainer(
     cfg: DictConfig,
+    settings: JobSettings,
     loggers: list[Logger],
     callbacks: Sequence[Callback],
     fitting: bool,
@@ -178,25 +197,12 @@ def build_trainer(
     keys, loop settings from ``trainer``. Checkpoints are written atomically; where srun starts
     the ranks, Lightning does not requeue on SIGUSR1 (it would save mid-step and end the run):
     :class:`StopOnSignal` checkpoints and ``slurm/train.sbatch`` requeues."""
-    processes = requested_processes(cfg.accelerator, cfg.devices, cfg.num_nodes)
-    srun = [SLURMEnvironment(auto_requeue=False)] if srun_starts_ranks(processes) else []
-    strategy = cfg.strategy.name  # ddp, fsdp, or auto (for several processes: watched DDP)
-    launch = {
-        "watch_s": cfg.strategy.watch_s,
-        "exit_grace_s": cfg.strategy.exit_grace_s,
-        "process_group_backend": cfg.strategy.process_group_backend,  # null: nccl on GPU, else gloo
-        "timeout": timedelta(seconds=cfg.strategy.timeout_s),
-    }
-    if strategy == "ddp" or (strategy == "auto" and processes > 1):
-        unused = cfg.strategy.find_unused_parameters
-        strategy = WatchedDDPStrategy(**launch, find_unused_parameters=unused)
-    elif strategy == "fsdp":
-        sharded = cfg.strategy.sharded_checkpoints
-        strategy = WatchedFSDPStrategy(**launch, ranks=processes, sharded_checkpoints=sharded)
-    settings = OmegaConf.to_container(cfg.trainer, resolve=True)
-    settings["profiler"] = settings.get("profiler") or NoProfiler()  # null: no cost per hook
+    strategy = watched_strategy(cfg.strategy, settings.world_size)
+    srun = [SLURMEnvironment(auto_requeue=False)] if settings.launcher == "srun" else []
+    loop = OmegaConf.to_container(cfg.trainer, resolve=True)
+    loop["profiler"] = loop.get("profiler") or NoProfiler()  # null: no cost per hook
     if isinstance(strategy, WatchedFSDPStrategy):  # FSDP2 fails to gather weights under
-        settings["inference_mode"] = False  # inference_mode before torch 2.13 (pytorch#197327)
+        loop["inference_mode"] = False  # inference_mode before torch 2.13 (pytorch#197327)
     return L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
@@ -207,7 +213,7 @@ def build_trainer(
         callbacks=list(callbacks),
         enable_progress_bar=cfg.callbacks.progress_bar != "none",
         enable_model_summary=False,  # ModelSummaryFile
-        default_root_dir=cfg.paths.output_dir,
+        default_root_dir=settings.output_dir,
         plugins=[AtomicCheckpointIO(), *srun],
-        **settings,
+        **loop,
     )
