@@ -137,18 +137,12 @@ def check_order(folder: Path) -> list[int]:
     return [chunk["chunk_size"] for chunk in chunks]
 
 
-def prepare(cfg: DictConfig, task: Task) -> Path:
-    if not cfg.out:
-        raise DataError("out=DIR is required: the folder the shards are written to")
-    check_choice("format", cfg.format, ("png", "jpeg"))
-    out = Path(cfg.out).expanduser().resolve()
-    data_class = task.datamodule_class(cfg.data.name)
-    check_keys("data", cfg.data, data_class)
-    datamodule = data_class(**OmegaConf.to_container(cfg.data, resolve=True))
-    datamodule.prepare_data()
-    # Read a chunk at a time, as training reads the data (and checks it): a folder of millions
-    # of images converts in flat memory; each image is decoded twice (scan, then write).
-    sources = {name: datamodule.sample_source(name) for name in SPLITS}
+def manifest_for(
+    out: Path, datamodule: Any, sources: dict[str, tuple[Tensor, Any]], image_format: str
+) -> dict[str, Any]:
+    """The manifest of ``out``: the one there if it holds these data (a rerun continues), else a
+    new one. Read a chunk at a time, as training reads the data (and checks it): a folder of
+    millions of images converts in flat memory; each image is decoded twice (scan, then write)."""
     scanned = {name: scan(datamodule, name, *source) for name, source in sources.items()}
     digests = {name: digest for name, (digest, _) in scanned.items()}
     if datamodule.mean is None:  # statistics of the training pixels, as read("train") sets them
@@ -156,7 +150,7 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
     expected = identity(datamodule, digests)
     files = any(hasattr(image_at, "original") for _, image_at in sources.values())
     manifest = check_folder(out, expected) or {
-        "format": "original files" if files else cfg.format,
+        "format": "original files" if files else image_format,
         "identity": expected,
         "classes": list(datamodule.classes),
         "image_shape": list(datamodule.image_shape),
@@ -167,6 +161,20 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
     }
     # data=shards' default: the source's carve-out (not what the shards hold: a rerun updates it)
     manifest["val_size"] = datamodule.hparams.val_size
+    return manifest
+
+
+def prepare(cfg: DictConfig, task: Task) -> Path:
+    if not cfg.out:
+        raise DataError("out=DIR is required: the folder the shards are written to")
+    check_choice("format", cfg.format, ("png", "jpeg"))
+    out = Path(cfg.out).expanduser().resolve()
+    data_class = task.datamodule_class(cfg.data.name)
+    check_keys("data", cfg.data, data_class)
+    datamodule = data_class(**OmegaConf.to_container(cfg.data, resolve=True))
+    datamodule.prepare_data()
+    sources = {name: datamodule.sample_source(name) for name in SPLITS}
+    manifest = manifest_for(out, datamodule, sources, cfg.format)
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     workers = cfg.num_workers or os.cpu_count() or 1

@@ -199,3 +199,25 @@ def test_entry_points_speak_to_a_few_lifecycle_objects() -> None:
         assert "src.template.entry" in modules, "the count sees the entry points' imports"
         assert len(names) <= 12, f"src/{entry_point}.py uses {sorted(names)}"
         assert len(modules) <= 5, f"src/{entry_point}.py imports {sorted(modules)}"
+
+
+def test_functions_are_short_and_shallow() -> None:
+    """No function of src/ is over 40 lines (its docstring included) or nests blocks more than 4
+    deep: a reader holds one in view. Longer ones split into named steps."""
+    blocks = (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.Match)
+
+    def depth(node: ast.AST) -> int:
+        inner = [depth(child) for child in ast.iter_child_nodes(node)]
+        return max(inner, default=0) + isinstance(node, blocks)
+
+    long, deep = [], []
+    for path in SOURCES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                where = f"{path.relative_to(PROJECT)}:{node.lineno} {node.name}"
+                if node.end_lineno - node.lineno + 1 > 40:
+                    long.append(where)
+                if max(depth(statement) for statement in node.body) > 4:
+                    deep.append(where)
+    assert not long, f"over 40 lines: {long}"
+    assert not deep, f"nested over 4 deep: {deep}"

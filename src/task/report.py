@@ -10,8 +10,10 @@ import torch
 from torch import Tensor
 
 from src.task.data.images import ImageDataModule
+from src.template.data import TensorSplit
 
 COLUMNS = ("predicted", "confidence")
+GRID = (4, 8)  # rows and columns of misclassified images
 
 
 def predictions(
@@ -40,13 +42,22 @@ def figures(model: L.LightningModule, data: ImageDataModule, out_dir: Path) -> l
     Rank 0 runs the (best) model over the test split once more, outside the DDP wrapper:
     seconds on a CPU, and it keeps figure-making out of the training loop.
     """
-    dataset = data.test_set
-    classes = data.classes
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
+    predicted, confidence = test_predictions(model, data.test_set)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    matrix = confusion_matrix_figure(
+        data.test_set.targets, predicted, data.classes, out_dir / "confusion_matrix_test.png"
+    )
+    grid = misclassified_figure(
+        data.test_set, data.classes, predicted, confidence, out_dir / "misclassified_test.png"
+    )
+    return [matrix, grid]
 
+
+def test_predictions(model: L.LightningModule, dataset: TensorSplit) -> tuple[Tensor, Tensor]:
+    """The model's predicted class and confidence for every sample of ``dataset``, in order."""
     was_training = model.training
     model.eval()
     outputs = []
@@ -57,11 +68,17 @@ def figures(model: L.LightningModule, data: ImageDataModule, out_dir: Path) -> l
             outputs.append(model.predict_step(batch, start // 1000))
     model.train(was_training)
     predicted, confidence = (torch.cat([o[key] for o in outputs]).cpu() for key in COLUMNS)
-    labels = dataset.targets
+    return predicted, confidence
+
+
+def confusion_matrix_figure(
+    labels: Tensor, predicted: Tensor, classes: Sequence[str], path: Path
+) -> Path:
+    """Counts of (true, predicted) class pairs, each written in its cell."""
+    import matplotlib.pyplot as plt
+
     n = len(classes)
     matrix = torch.bincount(labels * n + predicted, minlength=n * n).reshape(n, n)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
     fig, ax = plt.subplots(figsize=(7, 6))
     ax.imshow(matrix, cmap="Blues")
     for (row, col), count in zip(
@@ -81,29 +98,44 @@ def figures(model: L.LightningModule, data: ImageDataModule, out_dir: Path) -> l
     ax.set_xticklabels(classes, rotation=45, ha="right", fontsize=8)
     ax.set_yticklabels(classes, fontsize=8)
     fig.tight_layout()
-    matrix_path = out_dir / "confusion_matrix_test.png"
-    fig.savefig(matrix_path, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
 
-    wrong = (predicted != labels).nonzero().flatten()[:32].tolist()
-    fig, axes = plt.subplots(4, 8, figsize=(12, 7))
-    for ax, i in zip(axes.flatten(), wrong + [None] * (32 - len(wrong)), strict=True):
-        ax.axis("off")
-        if i is not None:
-            image = dataset.inputs[i]  # uint8 [C, H, W] as read: no normalisation to undo
-            if image.shape[0] == 1:
-                ax.imshow(image[0], cmap="gray", vmin=0, vmax=255)
-            else:
-                ax.imshow(image.permute(1, 2, 0).numpy())
-            ax.set_title(
-                f"true {classes[labels[i]]}\npred {classes[predicted[i]]} {confidence[i]:.2f}",
-                fontsize=7,
-            )
-    fig.suptitle(
-        f"First {len(wrong)} misclassified test images of {int((predicted != labels).sum())}"
-    )
+
+def misclassified_figure(
+    dataset: TensorSplit,
+    classes: Sequence[str],
+    predicted: Tensor,
+    confidence: Tensor,
+    path: Path,
+) -> Path:
+    """The first misclassified images (:data:`GRID`) as read (uint8: no normalisation to undo;
+    grayscale in gray, RGB in colour), each under its true and predicted class. One mosaic in
+    one axes: a grid of 32 axes took most of a tiny job's figure time."""
+    import matplotlib.pyplot as plt
+
+    rows, cols = GRID
+    labels = dataset.targets
+    wrong = (predicted != labels).nonzero().flatten()
+    shown = wrong[: rows * cols].tolist()
+    channels, height, width = dataset.inputs.shape[1:]
+    band = height // 2  # above each image, white: its two lines of text
+    cell_height = band + height + height // 8
+    cell_width = width + width // 8
+    mosaic = torch.full((rows * cell_height, cols * cell_width, 3), 255, dtype=torch.uint8)
+    fig, ax = plt.subplots(figsize=(12, 7))
+    for place, i in enumerate(shown):
+        top = (place // cols) * cell_height + band
+        left = (place % cols) * cell_width
+        image = dataset.inputs[i].expand(3, height, width) if channels == 1 else dataset.inputs[i]
+        mosaic[top : top + height, left : left + width] = image.permute(1, 2, 0)
+        caption = f"true {classes[labels[i]]}\npred {classes[predicted[i]]} {confidence[i]:.2f}"
+        ax.text(left + width / 2, top - 1, caption, ha="center", va="bottom", fontsize=7)
+    ax.imshow(mosaic.numpy(), extent=(0, cols * cell_width, rows * cell_height, 0))
+    ax.axis("off")
+    ax.set_title(f"First {len(shown)} misclassified test images of {len(wrong)}")
     fig.tight_layout()
-    grid_path = out_dir / "misclassified_test.png"
-    fig.savefig(grid_path, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return [matrix_path, grid_path]
+    return path

@@ -222,60 +222,65 @@ class WatchedLauncher(SubprocessScriptLauncher):
 def check_devices(accelerator: str, devices: Any, num_nodes: Any) -> None:
     """Refuse in this project's words (Lightning's errors name its internals) device and node
     counts Lightning cannot take, more GPUs than there are, more CPU ranks than cores can run."""
-    gpu = uses_gpu(accelerator)
-    gpus = torch.cuda.device_count()
-    # This process's CPU affinity, or the node's cores where torchrun or srun bound each rank.
-    affinity = external_rank() is None and hasattr(os, "sched_getaffinity")
-    cores = len(os.sched_getaffinity(0)) if affinity else os.cpu_count() or 1
+    if not is_count(num_nodes, 1):
+        raise ConfigError(
+            f"num_nodes={num_nodes} is not valid: it is the number of machines taking part; use "
+            "num_nodes=1 (this machine) or more"
+        )
     indices = isinstance(devices, Sequence) and not isinstance(devices, str)
     if indices:
         valid = len(devices) > 0 and all(is_count(i, 0) for i in devices)
     else:
         valid = devices in ("auto", -1) or is_count(devices, 1)
-    listed = len(devices) if indices else 0
-    number = devices if is_count(devices, 1) else 0  # processes per node, where a number
-    checks = (
-        (
-            not is_count(num_nodes, 1),
-            f"num_nodes={num_nodes} is not valid: it is the number of "
-            "machines taking part; use num_nodes=1 (this machine) or more",
-        ),
-        (
-            not valid,
+    if not valid:
+        raise ConfigError(
             f"devices={devices} is not valid: use devices=N for N processes per machine "
             "(N >= 1, on CPU or one per GPU), devices=auto (every GPU, else 1 process) or GPU "
-            "indices such as devices=[0,1]",
-        ),
-        (
-            accelerator in ("gpu", "cuda") and gpus == 0,
+            "indices such as devices=[0,1]"
+        )
+    if uses_gpu(accelerator):
+        check_gpu_devices(accelerator, devices)
+    else:
+        check_cpu_devices(devices, indices)
+
+
+def check_gpu_devices(accelerator: str, devices: Any) -> None:
+    """GPUs asked for: there are some, and at least ``devices`` of them."""
+    gpus = torch.cuda.device_count()
+    if accelerator in ("gpu", "cuda") and gpus == 0:
+        raise ConfigError(
             f"accelerator={accelerator} but no GPU is visible here (torch.cuda.device_count() "
-            "is 0); use accelerator=cpu or accelerator=auto",
-        ),
-        (
-            devices == -1 and not gpu,
-            "devices=-1 means every GPU, and no GPU is used here; use "
-            "devices=N for N processes on the CPU",
-        ),
-        (
-            indices and not gpu,
-            f"devices={devices} lists GPU indices but no GPU is used here; use "
-            f"devices={listed} for {listed} processes on the CPU",
-        ),
-        (
-            gpu and number > gpus,
+            "is 0); use accelerator=cpu or accelerator=auto"
+        )
+    if is_count(devices, 1) and devices > gpus:
+        raise ConfigError(
             f"devices={devices} but this machine has {gpus} GPU(s); use "
-            f"devices={gpus} (and num_nodes=... for more machines) or accelerator=cpu",
-        ),
-        (
-            not gpu and number > CPU_RANKS_PER_CORE * cores,
-            f"devices={devices} would start "
-            f"{devices} processes on this machine's {cores} CPU core(s); use devices={cores} (one "
-            "process per core; num_nodes=... for more machines)",
-        ),
-    )
-    for refused, message in checks:
-        if refused:
-            raise ConfigError(message)
+            f"devices={gpus} (and num_nodes=... for more machines) or accelerator=cpu"
+        )
+
+
+def check_cpu_devices(devices: Any, indices: bool) -> None:
+    """Processes on the CPU: a count (not GPU indices, not -1), and not more than the cores
+    can run (:data:`CPU_RANKS_PER_CORE`)."""
+    if devices == -1:
+        raise ConfigError(
+            "devices=-1 means every GPU, and no GPU is used here; use "
+            "devices=N for N processes on the CPU"
+        )
+    if indices:
+        raise ConfigError(
+            f"devices={devices} lists GPU indices but no GPU is used here; use "
+            f"devices={len(devices)} for {len(devices)} processes on the CPU"
+        )
+    # This process's CPU affinity, or the node's cores where torchrun or srun bound each rank.
+    affinity = external_rank() is None and hasattr(os, "sched_getaffinity")
+    cores = len(os.sched_getaffinity(0)) if affinity else os.cpu_count() or 1
+    if is_count(devices, 1) and devices > CPU_RANKS_PER_CORE * cores:
+        raise ConfigError(
+            f"devices={devices} would start {devices} processes on this machine's {cores} CPU "
+            f"core(s); use devices={cores} (one process per core; num_nodes=... for more "
+            "machines)"
+        )
 
 
 def use_sync_batchnorm(wanted: bool, model: nn.Module, accelerator: str) -> bool:

@@ -96,7 +96,9 @@ register_kind(
 
 
 def upload(client: Any, run: Any, folder: Path, step: int, key: str, metrics: Sequence[str]) -> str:
-    from mlflow.entities import LoggedModelOutput, Metric
+    """``folder``'s model as a LoggedModel of ``run``: its output at ``step``, linked to the
+    final ``metrics``, its files uploaded, READY. Returns its id."""
+    from mlflow.entities import LoggedModelOutput
     from mlflow.models import Model
 
     run_id = run.info.run_id
@@ -109,8 +111,28 @@ def upload(client: Any, run: Any, folder: Path, step: int, key: str, metrics: Se
         model_type=(Model.load(folder).metadata or {}).get("model_type"),
     )
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=step)])
-    # The final metrics (not system readings of that step), each with its split's dataset: the
-    # UI lists them as the model's "Datasets used".
+    client.log_batch(run_id, metrics=linked_metrics(client, run, model.model_id, step, metrics))
+    with tempfile.TemporaryDirectory() as staging:  # its MLmodel file names the logged model
+        copy = Path(shutil.copytree(folder, Path(staging, MODEL_FOLDER)))
+        saved = Model.load(copy)
+        saved.model_id = model.model_id
+        saved.model_uuid = model.model_id
+        saved.run_id = run_id
+        saved.artifact_path = model.artifact_location
+        saved.save(copy / "MLmodel")
+        client.log_model_artifacts(model.model_id, str(copy))
+    client.finalize_logged_model(model.model_id, "READY")
+    return model.model_id
+
+
+def linked_metrics(
+    client: Any, run: Any, model_id: str, step: int, metrics: Sequence[str]
+) -> list[Any]:
+    """The final ``metrics`` of ``run`` (their values at ``step``, not system readings of that
+    step) again, linked to the model and each to its split's dataset: the UI lists them as the
+    model's "Datasets used"."""
+    from mlflow.entities import Metric
+
     datasets = {
         t.value: d.dataset
         for d in run.inputs.dataset_inputs
@@ -127,26 +149,15 @@ def upload(client: Any, run: Any, folder: Path, step: int, key: str, metrics: Se
                 m.value,
                 m.timestamp,
                 m.step,
-                model_id=model.model_id,
-                run_id=run_id,
+                model_id=model_id,
+                run_id=run.info.run_id,
                 dataset_name=split and split.name,
                 dataset_digest=split and split.digest,
             )
-            for m in client.get_metric_history(run_id, name)
+            for m in client.get_metric_history(run.info.run_id, name)
             if m.step == step and m.model_id is None
         ]
-    client.log_batch(run_id, metrics=linked)
-    with tempfile.TemporaryDirectory() as staging:  # its MLmodel file names the logged model
-        copy = Path(shutil.copytree(folder, Path(staging, MODEL_FOLDER)))
-        saved = Model.load(copy)
-        saved.model_id = model.model_id
-        saved.model_uuid = model.model_id
-        saved.run_id = run_id
-        saved.artifact_path = model.artifact_location
-        saved.save(copy / "MLmodel")
-        client.log_model_artifacts(model.model_id, str(copy))
-    client.finalize_logged_model(model.model_id, "READY")
-    return model.model_id
+    return linked
 
 
 def register(client: Any, name: str, model_id: str) -> tuple[int, bool]:

@@ -441,41 +441,22 @@ def log_model(
     step: int,
     metrics: Sequence[str],
 ) -> None:
-    """The task's exported model, saved in ``model/`` and logged as the run's LoggedModel at the
-    step of its final ``metrics`` (registered if ``logger.registered_model_name``). A model that
-    cannot be exported costs a warning, never the job's results. ``model`` is whole (not sharded:
-    see ``checkpoint.whole_model``)."""
+    """The task's exported model (:func:`saved_model`) logged as the run's LoggedModel at the
+    step of its final ``metrics``, registered if ``logger.registered_model_name``. ``model`` is
+    whole (not sharded: see ``checkpoint.whole_model``)."""
     from src.template import export
 
     logger = mlflow_logger(loggers)
     if logger is None or not settings.get("log_model", True):
         return
-    if task.export is None:
-        print("No MLflow model logged: the task has no export (Task.export, src/task/__init__.py)")
-        return
-    try:
-        folder = export.save_model(task.export(model, datamodule), output_dir / export.MODEL_FOLDER)
-    except Exception as error:
-        rank_zero_warn(
-            f"the model was not logged as an MLflow model: exporting it failed "
-            f"({first_line(error, 200)}). The checkpoint is logged as before; "
-            "logger.log_model=false skips this step"
-        )
+    folder = saved_model(task, model, datamodule, output_dir / export.MODEL_FOLDER)
+    if folder is None:  # the task exports none, or exporting failed: said in one line
         return
     name = settings.get("registered_model_name")
     key = uuid.uuid4().hex
     if logger.outbox is not None:
-        logger.outbox.append(
-            encode(
-                "log_model",
-                logger.run_id,
-                folder=folder,
-                step=step,
-                key=key,
-                registered_name=name,
-                metrics=list(metrics),
-            )
-        )
+        record = {"folder": folder, "step": step, "key": key, "metrics": list(metrics)}
+        logger.outbox.append(encode("log_model", logger.run_id, registered_name=name, **record))
         then = f" and registered as a version of {name}" if name else ""
         print(
             f"MLflow model saved in {folder}; it is logged to run {logger.run_id}{then} "
@@ -490,6 +471,25 @@ def log_model(
         f"MLflow model {served} of run {run_id}. Serve it: "
         f"mlflow models serve -m {served} --env-manager local"
     )
+
+
+def saved_model(task: Task, model: Any, datamodule: Any, folder: Path) -> Path | None:
+    """The task's export of ``model`` saved as an MLflow model in ``folder``; None, said in one
+    line, where the task exports none or exporting fails: it never costs the job's results."""
+    from src.template import export
+
+    if task.export is None:
+        print("No MLflow model logged: the task has no export (Task.export, src/task/__init__.py)")
+        return None
+    try:
+        return export.save_model(task.export(model, datamodule), folder)
+    except Exception as error:
+        rank_zero_warn(
+            f"the model was not logged as an MLflow model: exporting it failed "
+            f"({first_line(error, 200)}). The checkpoint is logged as before; "
+            "logger.log_model=false skips this step"
+        )
+        return None
 
 
 def source_tags(source: Mapping[str, str] | None, ckpt_path: str, tracking_uri: str) -> dict:

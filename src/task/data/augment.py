@@ -58,43 +58,53 @@ def augment_one(
 ) -> Tensor:
     """One float image ``[C, h, w]`` of ``[0, 1]`` pixels (any size: an image file's own),
     augmented with ``generator``, as ``[C, H, W]`` of ``size``: the crop is taken from the image
-    as stored, then resized."""
-
-    def uniform(low: float, high: float) -> float:
-        return low + (high - low) * float(torch.rand((), generator=generator))
-
-    channels, height, width = image.shape
-    top = 0
-    left = 0
-    h = height
-    w = width
-    scale = settings.get("crop_scale")
-    if scale is not None:
-        ratio = settings.get("crop_ratio") or (3 / 4, 4 / 3)
-        area = uniform(*scale) * height * width
-        aspect = math.exp(uniform(math.log(ratio[0]), math.log(ratio[1])))
-        h = min(height, max(1, round(math.sqrt(area / aspect))))
-        w = min(width, max(1, round(math.sqrt(area * aspect))))
-        top = int(torch.randint(0, height - h + 1, (), generator=generator))
-        left = int(torch.randint(0, width - w + 1, (), generator=generator))
-    if scale is not None or (height, width) != tuple(size):
+    as stored, then resized. The random draws come in one order: crop, flip, jitter."""
+    _, height, width = image.shape
+    box = (0, 0, height, width)  # top, left, height, width: the whole image
+    if settings.get("crop_scale") is not None:
+        box = random_crop(height, width, settings, generator)
+    top, left, h, w = box
+    if settings.get("crop_scale") is not None or (height, width) != tuple(size):
         crop = image[None, :, top : top + h, left : left + w]
         image = F.interpolate(
             crop, size=tuple(size), mode="bilinear", align_corners=False, antialias=True
         )[0]
     if settings.get("flip") and float(torch.rand((), generator=generator)) < 0.5:
         image = image.flip(-1)
-    jitter = float(settings.get("jitter") or 0)
-    if jitter:
-        image = image * uniform(1 - jitter, 1 + jitter)  # brightness
-        mean = image.mean()
-        image = (image - mean) * uniform(1 - jitter, 1 + jitter) + mean  # contrast
-        if channels == 3:  # saturation
-            weights = torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)
-            gray = (image * weights).sum(0, keepdim=True)
-            image = (image - gray) * uniform(1 - jitter, 1 + jitter) + gray
-        image = image.clamp(0, 1)
+    if jitter := float(settings.get("jitter") or 0):
+        image = color_jitter(image, jitter, generator)
     return image
+
+
+def uniform(generator: torch.Generator, low: float, high: float) -> float:
+    return low + (high - low) * float(torch.rand((), generator=generator))
+
+
+def random_crop(
+    height: int, width: int, settings: dict[str, Any], generator: torch.Generator
+) -> tuple[int, int, int, int]:
+    """(top, left, height, width) of a crop of ``crop_scale`` of the area and an aspect ratio
+    in ``crop_ratio``, as torchvision's RandomResizedCrop draws them."""
+    ratio = settings.get("crop_ratio") or (3 / 4, 4 / 3)
+    area = uniform(generator, *settings["crop_scale"]) * height * width
+    aspect = math.exp(uniform(generator, math.log(ratio[0]), math.log(ratio[1])))
+    h = min(height, max(1, round(math.sqrt(area / aspect))))
+    w = min(width, max(1, round(math.sqrt(area * aspect))))
+    top = int(torch.randint(0, height - h + 1, (), generator=generator))
+    left = int(torch.randint(0, width - w + 1, (), generator=generator))
+    return top, left, h, w
+
+
+def color_jitter(image: Tensor, jitter: float, generator: torch.Generator) -> Tensor:
+    """Brightness, contrast and (RGB) saturation, each scaled by a factor in 1 ± ``jitter``."""
+    image = image * uniform(generator, 1 - jitter, 1 + jitter)  # brightness
+    mean = image.mean()
+    image = (image - mean) * uniform(generator, 1 - jitter, 1 + jitter) + mean  # contrast
+    if image.shape[0] == 3:  # saturation
+        weights = torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)
+        gray = (image * weights).sum(0, keepdim=True)
+        image = (image - gray) * uniform(generator, 1 - jitter, 1 + jitter) + gray
+    return image.clamp(0, 1)
 
 
 class AugmentedSplit(Dataset):
