@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from src.task import TASK
 from src.template import sweeps
+from src.template.entry import use_task_in_config
 from src.template.export import MODEL_NAME, register
 from src.template.store import credentials_moved
 from src.template.tracking import RUN_ID_FILE
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", required=True, help="the registered model's name")
     parser.add_argument("--tracking-uri", help="the store, if not the one the jobs used")
     args = parser.parse_args(argv)
+    use_task_in_config(TASK)  # multirun.yaml's optimized_metric: ${task:optimized_metric}
     if args.tracking_uri:  # a password typed in it is never printed or stored
         args.tracking_uri = credentials_moved(args.tracking_uri)
     try:

@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from src.task.model import ImageClassifier
 from src.task.nets.convnet import ConvNet
 from src.template.config import check_keys, check_sections, describe_config_error, flatten
 from src.template.distributed import check_devices
-from src.template.entry import SET_ELSEWHERE
+from src.template.entry import SET_ELSEWHERE, use_task_in_config
 from src.template.settings import JobSettings
 from src.template.sweeps import register_resolvers
 from src.template.tracking import build_loggers
@@ -39,6 +40,7 @@ GROUP_OPTIONS = [
 def compose_config(name: str, overrides: list[str], workdir: Path, conf: Path = CONF) -> DictConfig:
     """Compose like ``@hydra.main`` does, with the runtime folders a real launch would set."""
     register_resolvers()  # as every entry point does before Hydra composes
+    use_task_in_config(TASK)
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose(name, overrides=overrides, return_hydra_config=True)
     OmegaConf.set_readonly(cfg.hydra, False)
@@ -127,9 +129,24 @@ def test_check_keys_names_the_valid_keys_and_a_near_miss() -> None:
         check_keys("model", {"num_classes": 3}, ImageClassifier, set_by={"num_classes": "the data"})
 
 
+def test_the_sweep_metric_and_its_direction_are_the_tasks(tmp_path: Path) -> None:
+    """conf/ names no metric: ``optimized_metric`` and Optuna's ``direction`` come from TASK
+    (``${task:...}``), and a task whose metric is lower-is-better turns the direction around."""
+    cfg = compose_config("train", [], tmp_path)
+    assert cfg.optimized_metric == TASK.optimized_metric == "val/acc_best"
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        search = compose("train", ["hparams_search=convnet_optuna"], return_hydra_config=True)
+    assert search.hydra.sweeper.direction == "maximize"
+    assert search.optimized_metric == "val/acc_best"
+    loss = replace(TASK, monitor="val/loss", mode="min", optimized_metric=None).config_values()
+    assert (loss["optimized_metric"], loss["direction"]) == ("val/loss", "minimize")
+
+
 def refusal(override: str) -> str:
     """The line an entry point shows for a command-line ``override`` Hydra refuses."""
     register_resolvers()
+    use_task_in_config(TASK)
     with (
         initialize_config_dir(config_dir=str(CONF), version_base="1.3"),
         pytest.raises(HydraException) as info,

@@ -19,6 +19,7 @@ TASK = Task(
     config_targets=model.config_targets,
     monitor="val/acc",
     mode="max",
+    optimized_metric="val/acc_best",  # the best val/acc so far: what a sweep job returns
     errors=(UnknownNetwork,),
     sharded_blocks=model.SHARDED_BLOCKS,
     export=export.export,

@@ -10,7 +10,7 @@ from typing import Any
 import hydra
 from hydra.errors import HydraException
 from lightning.fabric.utilities.exceptions import MisconfigurationException as ConfigError
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from src.template import checkpoint, data, reporting, shutdown, store, sweep_report, sweeps
@@ -44,10 +44,12 @@ def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -
     @hydra.main(version_base="1.3", config_path=str(CONF), config_name=config_name)
     def run(cfg: DictConfig) -> Any:
         reporting.quiet_library_notices()  # here: a SLURM sweep job runs this function, not main()
+        use_task_in_config(task)
         with reporting.short_errors(*expected), job_scope():
             return job(cfg, task)
 
     sweeps.register_resolvers()
+    use_task_in_config(task)
     sys.argv[1:] = store.credentials_to_environment(sys.argv[1:])  # before Hydra records them
     folder = sweeps.resume_folder(sys.argv[1:]) if config_name == "train" else None
     if folder:  # a resume continues in the stopped job's folder: one job, one folder
@@ -67,6 +69,13 @@ def main(config_name: str, job: Callable[[DictConfig, Task], Any], task: Task) -
         except expected as error:
             reporting.show_error(str(error))
             raise SystemExit(1) from None
+
+
+def use_task_in_config(task: Task) -> None:
+    """``${task:KEY}`` in conf/ reads the task's :meth:`Task.config_values`: the sweeps' metric
+    and Optuna's direction are named once, by the task. Registered before Hydra composes (the
+    sweeper's config) and again in the job (a SLURM sweep job runs only the job function)."""
+    OmegaConf.register_new_resolver("task", task.config_values().__getitem__, replace=True)
 
 
 @contextmanager

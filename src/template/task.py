@@ -43,6 +43,9 @@ class Task:
     config_targets: Callable[[Mapping[str, Any]], ConfigTargets]
     monitor: str  # the validation metric that picks the best checkpoint
     mode: str  # "max" if higher is better, else "min"
+    # What a job returns to Hydra's sweepers (conf/train.yaml's ``optimized_metric`` follows it
+    # unless set there); None: ``monitor``. Optuna's direction and src.register follow ``mode``.
+    optimized_metric: str | None = None
     errors: tuple[type[Exception], ...] = ()  # bad input: shown as one line, no traceback
     # strategy=fsdp: the submodule types the model's configure_model shards as units (with
     # src/template/distributed.py's shard); a model with parameters outside them is refused
@@ -59,6 +62,15 @@ class Task:
     # (ckpt_path, the images= value, the CSV to write, this Task) -> the CSV written; None: the
     # task predicts its data splits only.
     predict_files: Callable[[str, str, Path, "Task"], Path] | None = None
+
+    def config_values(self) -> dict[str, str]:
+        """What conf/ reads as ``${task:KEY}``: the metric is named once, by the task."""
+        return {
+            "monitor": self.monitor,
+            "mode": self.mode,
+            "optimized_metric": self.optimized_metric or self.monitor,
+            "direction": "maximize" if self.mode == "max" else "minimize",  # Optuna's words
+        }
 
     def datamodule_class(self, name: str) -> type[L.LightningDataModule]:
         from src.template.data import DataError
