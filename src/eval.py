@@ -13,9 +13,11 @@ from src.template.task import Task
 
 
 def evaluate(cfg: DictConfig, task: Task) -> dict[str, float]:
-    job = CheckpointJob(cfg, task, splits=("test", "val"))  # checked; the checkpoint's model
+    # Checked settings, then the checkpoint's model and data settings.
+    job = CheckpointJob.from_checkpoint(cfg, task, splits=("test", "val"))
     job.load_data({"test": "test", "val": "validate"}[cfg.split])  # bad data fails now
     run = job.evaluation_run()  # a run of its own, linked to the checkpoint's training run
+    job.begin()  # config.yaml shown and written
     trainer = job.eval_trainer(run.loggers)
     run_loop = {"test": trainer.test, "val": trainer.validate}[cfg.split]
     with run.recording(trainer):  # config as params; the run ends FINISHED, FAILED or KILLED

@@ -26,8 +26,9 @@ def predict(cfg: DictConfig, task: Task) -> Path:
             )
         out = Path(cfg.paths.output_dir) / "predictions_images.csv"
         return task.predict_files(cfg.ckpt_path, cfg.images, out, task)
-    job = CheckpointJob(cfg, task, splits=("test", "val", "train"))  # shared with src.eval
+    job = CheckpointJob.from_checkpoint(cfg, task, splits=("test", "val", "train"))
     job.load_data("predict")  # bad data fails now
+    job.begin()  # config.yaml shown and written
     path = job.output_dir / f"predictions_{job.split}.csv"
     writer = reporting.PredictionWriter(path, task.predictions, job.datamodule)
     trainer = job.eval_trainer(loggers=[], callbacks=[writer])

@@ -17,9 +17,10 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         return job.result
     model, datamodule = job.build()  # bad data or a checkpoint of another job fails here
     run = job.tracked_run()  # the loggers: a new MLflow run, or the one the checkpoint continues
+    job.begin()  # job.json (run again in its folder, it resumes); config.yaml shown and written
     trainer = job.fit_trainer(model, run)
     with run.recording(trainer):  # config as params; the run ends FINISHED, FAILED or KILLED
-        trainer.fit(model, datamodule=datamodule, ckpt_path=job.start.ckpt_path)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=job.ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         best = job.best_checkpoint(trainer)
         tested = trainer.test(model, datamodule=datamodule, ckpt_path=best, verbose=False)[0]
@@ -27,7 +28,8 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         # metrics.json; on rank 0 the model whole (FSDP's weights gathered) and its figures
         model, figures = job.report_outcome(metrics, model, datamodule, best)
         # The test metrics' step (the epoch count): MLflow links them to the model.
-        run.record_outcome(task, model, datamodule, best, figures, trainer.current_epoch, tested)
+        step = trainer.current_epoch
+        run.record_outcome(task, model, datamodule, best, figures, step, list(tested))
     return job.record_result(metrics)
 
 

@@ -25,12 +25,37 @@ def test_misclassified_rgb_images_are_drawn_in_colour(tmp_path: Path) -> None:
     with torch.no_grad():
         model.net.classifier[-1].bias.copy_(torch.tensor([1.0, 0, 0, 0]))
     split = TensorSplit(images, labels, transform=Normalize([0.5] * 3, [0.25] * 3))
-    data = SimpleNamespace(test_set=split, classes=["a", "b", "c", "d"])
+    data = SimpleNamespace(test_set=split, classes=["a", "b", "c", "d"], image_shape=(3, 16, 16))
     matrix, grid = figures(model, data, tmp_path)
     pixels = np.asarray(Image.open(grid).convert("RGB")).astype(int)
     red = (pixels[..., 0] > 200) & (pixels[..., 1] < 60) & (pixels[..., 2] < 60)
     assert red.sum() > 1000, "the six misclassified images are drawn red, as read"
     assert Image.open(matrix).size[0] > 500
+    # data=shards: inputs decoded one at a time (no .shape), image files at their own size.
+    files = [torch.zeros(3, 20, 12, dtype=torch.uint8) for _ in range(6)]
+    for image in files:
+        image[0] = 255  # red
+    data.test_set = ShardLike(split, files)
+    (_, grid) = figures(model, data, tmp_path / "files")
+    pixels = np.asarray(Image.open(grid).convert("RGB")).astype(int)
+    red = (pixels[..., 0] > 200) & (pixels[..., 1] < 60) & (pixels[..., 2] < 60)
+    assert red.sum() > 1000, "images of another size are drawn at the model's input size"
+
+
+class ShardLike:
+    """A test split as data=shards gives it: batches as the in-memory split's, ``inputs``
+    indexed one at a time (no ``.shape``), each image at its file's own size."""
+
+    def __init__(self, split: TensorSplit, files: list[torch.Tensor]) -> None:
+        self.split = split
+        self.inputs = files
+        self.targets = split.targets
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitems__(self, indices: list[int]) -> object:
+        return self.split.__getitems__(indices)
 
 
 def printed_lines(proc: subprocess.CompletedProcess) -> list[str]:

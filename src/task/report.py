@@ -4,13 +4,14 @@ rank 0 and logs what they return (see ``TASK`` in :mod:`src.task`)."""
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as L
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from src.task.data.images import ImageDataModule
-from src.template.data import TensorSplit
 
 COLUMNS = ("predicted", "confidence")
 GRID = (4, 8)  # rows and columns of misclassified images
@@ -50,14 +51,13 @@ def figures(model: L.LightningModule, data: ImageDataModule, out_dir: Path) -> l
     matrix = confusion_matrix_figure(
         data.test_set.targets, predicted, data.classes, out_dir / "confusion_matrix_test.png"
     )
-    grid = misclassified_figure(
-        data.test_set, data.classes, predicted, confidence, out_dir / "misclassified_test.png"
-    )
+    grid = misclassified_figure(data, predicted, confidence, out_dir / "misclassified_test.png")
     return [matrix, grid]
 
 
-def test_predictions(model: L.LightningModule, dataset: TensorSplit) -> tuple[Tensor, Tensor]:
-    """The model's predicted class and confidence for every sample of ``dataset``, in order."""
+def test_predictions(model: L.LightningModule, dataset: Any) -> tuple[Tensor, Tensor]:
+    """The model's predicted class and confidence for every sample of ``dataset`` (a split of
+    the data contract: ``__getitems__`` gives a batch), in order."""
     was_training = model.training
     model.eval()
     outputs = []
@@ -104,38 +104,46 @@ def confusion_matrix_figure(
 
 
 def misclassified_figure(
-    dataset: TensorSplit,
-    classes: Sequence[str],
-    predicted: Tensor,
-    confidence: Tensor,
-    path: Path,
+    data: ImageDataModule, predicted: Tensor, confidence: Tensor, path: Path
 ) -> Path:
-    """The first misclassified images (:data:`GRID`) as read (uint8: no normalisation to undo;
-    grayscale in gray, RGB in colour), each under its true and predicted class. One mosaic in
-    one axes: a grid of 32 axes took most of a tiny job's figure time."""
+    """The first misclassified test images (:data:`GRID`) as read (uint8: no normalisation to
+    undo; grayscale in gray, RGB in colour), each at the model's input size under its true and
+    predicted class. One mosaic in one axes: 32 axes took most of a job's figure time."""
     import matplotlib.pyplot as plt
 
     rows, cols = GRID
-    labels = dataset.targets
+    images = data.test_set.inputs  # a tensor, or decoded one at a time (data=shards)
+    labels = data.test_set.targets
     wrong = (predicted != labels).nonzero().flatten()
-    shown = wrong[: rows * cols].tolist()
-    channels, height, width = dataset.inputs.shape[1:]
+    _, height, width = data.image_shape
     band = height // 2  # above each image, white: its two lines of text
     cell_height = band + height + height // 8
     cell_width = width + width // 8
     mosaic = torch.full((rows * cell_height, cols * cell_width, 3), 255, dtype=torch.uint8)
     fig, ax = plt.subplots(figsize=(12, 7))
-    for place, i in enumerate(shown):
+    for place, i in enumerate(wrong[: rows * cols].tolist()):
         top = (place // cols) * cell_height + band
         left = (place % cols) * cell_width
-        image = dataset.inputs[i].expand(3, height, width) if channels == 1 else dataset.inputs[i]
-        mosaic[top : top + height, left : left + width] = image.permute(1, 2, 0)
-        caption = f"true {classes[labels[i]]}\npred {classes[predicted[i]]} {confidence[i]:.2f}"
+        mosaic[top : top + height, left : left + width] = as_rgb(images[i], height, width)
+        classes = f"true {data.classes[labels[i]]}\npred {data.classes[predicted[i]]}"
+        caption = f"{classes} {confidence[i]:.2f}"
         ax.text(left + width / 2, top - 1, caption, ha="center", va="bottom", fontsize=7)
     ax.imshow(mosaic.numpy(), extent=(0, cols * cell_width, rows * cell_height, 0))
     ax.axis("off")
-    ax.set_title(f"First {len(shown)} misclassified test images of {len(wrong)}")
+    shown = min(len(wrong), rows * cols)
+    ax.set_title(f"First {shown} misclassified test images of {len(wrong)}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def as_rgb(image: Tensor, height: int, width: int) -> Tensor:
+    """A uint8 ``[C, h, w]`` image as ``[height, width, 3]``: an image file of another size
+    (shards keep the files' own) is resized, a grayscale one repeated over three channels."""
+    if tuple(image.shape[1:]) != (height, width):
+        resized = F.interpolate(
+            image[None].float(), size=(height, width), antialias=True, mode="bilinear"
+        )
+        image = resized[0].round().clamp(0, 255).to(torch.uint8)
+    return image.expand(3, height, width).permute(1, 2, 0)

@@ -35,11 +35,17 @@ class TrainingJob:
     and its result recorded in its folder (a job run again there resumes or reads it back)."""
 
     def __init__(
-        self, cfg: DictConfig, task: Task, settings: JobSettings, weights: dict | None
+        self,
+        cfg: DictConfig,
+        task: Task,
+        settings: JobSettings,
+        model_cfg: dict[str, Any],
+        weights: dict | None,
     ) -> None:
         self.cfg = cfg
         self.task = task
         self.settings = settings  # computed once: what lower layers take instead of ``cfg``
+        self.model_cfg = model_cfg  # resolved: what the task builds the model from
         self.weights = weights  # weights_from=: a new job from a checkpoint's weights
         self.output_dir = settings.output_dir
         self.start = Start()
@@ -53,8 +59,9 @@ class TrainingJob:
         the same job, or nowhere (finished earlier, or run in a process of its own)."""
         settings = check_settings(cfg, fitting=True)
         check_keys("data", cfg.data, task.datamodule_class(cfg.data.name))
-        check_sections(cfg, task.config_targets(OmegaConf.to_container(cfg.model, resolve=True)))
-        job = cls(cfg, task, settings, checkpoint.read_weights(cfg))
+        model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+        check_sections(cfg, task.config_targets(model_cfg))
+        job = cls(cfg, task, settings, model_cfg, checkpoint.read_weights(cfg))
         earlier = sweeps.earlier_run(job.output_dir, cfg.ckpt_path)  # the same job run again
         if earlier and "result" in earlier:
             print(f"{job.output_dir}: this job finished in an earlier run; its result is read back")
@@ -66,6 +73,11 @@ class TrainingJob:
         if job.start.read_back:  # a finished job with nothing left to train
             return job.finished(job.start.result)
         return job
+
+    @property
+    def ckpt_path(self) -> str | None:
+        """The checkpoint ``trainer.fit`` resumes from; None: a fresh start."""
+        return self.start.ckpt_path
 
     def finished(self, result: float | None) -> "TrainingJob":
         self.done = True
@@ -83,9 +95,7 @@ class TrainingJob:
         datamodule.prepare_data()
         datamodule.load()  # train, validation and test splits
         with as_config_error("model"):
-            model = self.task.build_model(
-                OmegaConf.to_container(cfg.model, resolve=True), datamodule
-            )
+            model = self.task.build_model(self.model_cfg, datamodule)
         check_shardable(cfg.strategy.name, model, self.task.sharded_blocks)
         if self.weights:
             checkpoint.load_weights(model, self.weights, Path(cfg.weights_from).name)
@@ -98,24 +108,27 @@ class TrainingJob:
         trained on, a new one after it (see :meth:`TrackedRun.for_training`)."""
         return TrackedRun.for_training(self.cfg, self.settings, self.start)
 
+    def begin(self) -> None:
+        """The job starts: ``job.json`` in its folder says so (run again there, it resumes) and
+        its config is shown and written (``config.yaml``)."""
+        sweeps.record_job(self.output_dir)
+        reporting.show_config(self.cfg)
+
     def fit_trainer(self, model: L.LightningModule, run: TrackedRun) -> L.Trainer:
-        """The job starts (recorded in its folder: run again there, it resumes); its config is
-        shown and its Trainer built, with the template's callbacks and the run's."""
+        """The Trainer that fits ``model``: the template's callbacks (checkpoints, stop signals,
+        per-batch seeding, the job's record in each checkpoint) and the run's."""
         cfg = self.cfg
         out = self.output_dir
-        start = self.start
-        if start.ckpt_path and Path(start.ckpt_path).parent == out / "checkpoints":  # moot
+        if self.ckpt_path and Path(self.ckpt_path).parent == out / "checkpoints":  # moot
             warnings.filterwarnings(
                 "ignore", f"Checkpoint directory {re.escape(str(out))}.* is not"
             )
-        sweeps.record_job(out)
-        reporting.show_config(cfg)
-        settings = checkpoint.settings_to_record(cfg, self.seed, start.saved)
+        recorded = checkpoint.settings_to_record(cfg, self.seed, self.start.saved)
         callbacks: list[Callback] = [
             *build_callbacks(cfg, monitor=(self.task.monitor, self.task.mode)),
             SeedEachBatch(self.seed),
             *run.training_callbacks(),
-            checkpoint.JobRecord(settings, checkpoint.job_overrides()),
+            checkpoint.JobRecord(recorded, checkpoint.job_overrides()),
         ]
         sync_bn = use_sync_batchnorm(cfg.strategy.sync_batchnorm, model, cfg.accelerator)
         return build_trainer(
@@ -151,23 +164,43 @@ class TrainingJob:
 
 
 class CheckpointJob:
-    """``src.eval``'s and ``src.predict``'s job: a checkpoint's model, its data (``cfg.data``
-    becomes what is used) and its MLflow run, on one of ``splits``."""
+    """``src.eval``'s and ``src.predict``'s job: a checkpoint's model, its data and its MLflow
+    run (``source``, if it was tracked)."""
 
-    def __init__(self, cfg: DictConfig, task: Task, splits: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        cfg: DictConfig,
+        settings: JobSettings,
+        model: L.LightningModule,
+        datamodule: L.LightningDataModule,
+        source: dict[str, str] | None,
+    ) -> None:
+        self.cfg = cfg
+        self.settings = settings
+        self.model = model
+        self.datamodule = datamodule
+        self.source = source
+        self.split = cfg.split
+        self.output_dir = settings.output_dir
+
+    @classmethod
+    def from_checkpoint(
+        cls, cfg: DictConfig, task: Task, splits: tuple[str, ...]
+    ) -> "CheckpointJob":
+        """The checked settings (``split`` one of ``splits``), then the seeded checkpoint's model
+        and data module; ``cfg.data`` becomes the data settings used (the checkpoint's, but for
+        keys typed)."""
         check_choice("split", cfg.split, splits)
-        self.settings = check_settings(cfg, fitting=False)
+        settings = check_settings(cfg, fitting=False)
         check_keys("data", cfg.data, task.datamodule_class(cfg.data.name))
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         data = OmegaConf.to_container(cfg.data, resolve=True)
         loaded = checkpoint.load_for_inference(cfg.ckpt_path, data, typed_keys("data"), task)
-        self.model, self.datamodule, self.source = loaded
-        check_shardable(cfg.strategy.name, self.model, task.sharded_blocks)
+        model, datamodule, source = loaded
+        check_shardable(cfg.strategy.name, model, task.sharded_blocks)
         with open_dict(cfg):
-            cfg.data = OmegaConf.create(dict(self.datamodule.hparams))
-        self.cfg = cfg
-        self.split = cfg.split
-        self.output_dir = self.settings.output_dir
+            cfg.data = OmegaConf.create(dict(datamodule.hparams))
+        return cls(cfg, settings, model, datamodule, source)
 
     def load_data(self, stage: str) -> None:
         """The data of ``stage`` (Lightning's: test, validate, predict) read now: bad data fails
@@ -182,9 +215,12 @@ class CheckpointJob:
         run the checkpoint came from."""
         return TrackedRun.for_checkpoint(self.cfg, self.settings, self.source)
 
-    def eval_trainer(self, loggers: list[Logger], callbacks: Sequence[Callback] = ()) -> L.Trainer:
-        """Its config shown, the Trainer with the template's callbacks and ``callbacks``."""
+    def begin(self) -> None:
+        """The config used is shown and written (``config.yaml``)."""
         reporting.show_config(self.cfg)
+
+    def eval_trainer(self, loggers: list[Logger], callbacks: Sequence[Callback] = ()) -> L.Trainer:
+        """The Trainer with the template's callbacks and ``callbacks``."""
         callbacks = [*build_callbacks(self.cfg, monitor=None), *callbacks]
         return build_trainer(self.cfg, self.settings, loggers, callbacks, fitting=False)
 
