@@ -80,7 +80,7 @@ def confusion_matrix_figure(
     n = len(classes)
     matrix = torch.bincount(labels * n + predicted, minlength=n * n).reshape(n, n)
     fig, ax = plt.subplots(figsize=(7, 6))
-    ax.imshow(matrix, cmap="Blues")
+    ax.imshow(matrix.numpy(), cmap="Blues")
     for (row, col), count in zip(
         torch.cartesian_prod(torch.arange(n), torch.arange(n)).tolist(),
         matrix.flatten().tolist(),
