@@ -96,7 +96,7 @@ def template_job(overrides: list[str], workdir: Path, batch: int, steps: int) ->
     and the logger the overrides choose. One extra callback holds the clock."""
     import lightning.pytorch as L
 
-    import src.template.trainer
+    import src.template.job  # its build_callbacks gets one more callback
 
     class StepClock(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -110,9 +110,9 @@ def template_job(overrides: list[str], workdir: Path, batch: int, steps: int) ->
                 self.seconds = time.perf_counter() - self.start
 
     clock = StepClock()
-    build = src.template.trainer.build_callbacks
+    build = src.template.job.build_callbacks
     argv = sys.argv
-    src.template.trainer.build_callbacks = lambda *a, **k: [*build(*a, **k), clock]
+    src.template.job.build_callbacks = lambda *a, **k: [*build(*a, **k), clock]
     sys.argv = [
         "src.train",
         *overrides,
@@ -128,7 +128,7 @@ def template_job(overrides: list[str], workdir: Path, batch: int, steps: int) ->
     try:  # as `python -m src.train`: Hydra finds conf/ from the script's path
         runpy.run_module("src.train", run_name="__main__")
     finally:
-        src.template.trainer.build_callbacks, sys.argv = build, argv
+        src.template.job.build_callbacks, sys.argv = build, argv
     return steps * batch / clock.seconds
 
 
@@ -137,15 +137,15 @@ def template_job(overrides: list[str], workdir: Path, batch: int, steps: int) ->
 FIRST_STEP = """
 import os, sys, time
 from lightning.pytorch.callbacks import Callback
-import src.template.trainer
+import src.template.job  # its build_callbacks gets one more callback
 
 class FirstStep(Callback):
     def on_train_batch_end(self, *args):
         print("FIRST_STEP", time.time(), flush=True)
         os._exit(0)
 
-build = src.template.trainer.build_callbacks
-src.template.trainer.build_callbacks = lambda *a, **k: [*build(*a, **k), FirstStep()]
+build = src.template.job.build_callbacks
+src.template.job.build_callbacks = lambda *a, **k: [*build(*a, **k), FirstStep()]
 sys.argv = ["src.train", *sys.argv[1:]]
 import runpy
 runpy.run_module("src.train", run_name="__main__")

@@ -137,10 +137,10 @@ def run_bare(args: argparse.Namespace, clock: Clock) -> None:
 
 def run_template(args: argparse.Namespace, clock: Clock) -> None:
     """``python -m src.train`` in this process, one callback added: the clock."""
-    import src.template.trainer
+    import src.template.job  # its build_callbacks gets one more callback
 
-    build = src.template.trainer.build_callbacks
-    src.template.trainer.build_callbacks = lambda *a, **k: [*build(*a, **k), clock_callback(clock)]
+    build = src.template.job.build_callbacks
+    src.template.job.build_callbacks = lambda *a, **k: [*build(*a, **k), clock_callback(clock)]
     sys.argv = [
         "src.train",
         *args.overrides,
