@@ -137,9 +137,10 @@ wait_until_up() {
             supervisorctl -c "$SUPERVISOR_CONF" status >&2 || true
             die "the service did not answer https://$HOST:$PORT/health in 120 s: see $DATA/logs"
         fi
-        # caddy makes its certificate authority at its first start; clients get a copy of its root
+        # caddy makes its certificate authority at its first start; clients get a copy of its root,
+        # whole or not at all (a client reading it while cp writes would find no certificate)
         if [ -f "$DATA/caddy/pki/authorities/local/root.crt" ]; then
-            cp "$DATA/caddy/pki/authorities/local/root.crt" "$CA_CERT"
+            cp "$DATA/caddy/pki/authorities/local/root.crt" "$CA_CERT.tmp" && mv "$CA_CERT.tmp" "$CA_CERT"
         fi
         sleep 1
     done

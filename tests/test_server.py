@@ -179,9 +179,10 @@ def cross_origin_write(port: int, host: str, origin: str) -> tuple[int, str]:
 
 
 def answers(url: str, cert: str) -> bool:
-    """Whether the service answers ``/health`` through TLS, checked against ``cert``."""
-    tls = ssl.create_default_context(cafile=cert)
+    """Whether the service answers ``/health`` through TLS, checked against ``cert`` (a
+    certificate caddy is still writing is not one yet: ssl.SSLError is an OSError)."""
     try:
+        tls = ssl.create_default_context(cafile=cert)
         with urllib.request.urlopen(f"{url}/health", timeout=5, context=tls) as response:
             return response.status == 200
     except OSError:

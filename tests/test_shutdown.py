@@ -110,7 +110,9 @@ def test_killed_launcher_takes_no_rank_with_it(job_factory) -> None:
     launcher.send_signal(signal.SIGKILL)
     rank1.wait(timeout=10)  # raises if rank 1 outlives its launcher by 10 s
     job.wait(timeout=10)
-    assert "the launching process (rank 0" in job.stderr or "Connection" in job.stderr
+    # How rank 1 went, whole on failure (once in CI under load it said neither; not reproduced).
+    said = "the launching process (rank 0" in job.stderr or "Connection" in job.stderr
+    assert said, job.stderr[-4000:]
 
 
 def test_watchdog_ends_a_job_whose_rank_zero_is_stuck(tmp_path: Path) -> None:
