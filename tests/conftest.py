@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -80,7 +81,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A data root holding a learnable MNIST-format dataset (403 train, 131 test images)."""
+    """A data root holding a learnable MNIST-format dataset (403 train, 131 test images): the
+    data of the end-to-end tests' tiny job, which trains the shipped image task."""
+    if not (PROJECT / "conf" / "data" / "mnist.yaml").is_file():
+        pytest.skip(
+            "the end-to-end tests train the shipped image task's tiny MNIST job (tiny_overrides, "
+            "tests/conftest.py) and this project has no data=mnist: give them your task's"
+        )
     root = tmp_path_factory.mktemp("data")
     make_dataset(root, n_train=N_TRAIN, n_test=N_TEST, seed=7, learnable=True)
     return root
@@ -336,6 +343,13 @@ def trained(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"workdir": workdir, "run_dir": run_dir, "log": log, "tiny_root": tiny_root}
 
 
+def free_port() -> int:
+    """A port free now (the OS picks it); the server that takes it binds it moments later."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def local_server_argv(port: int, folder: Path) -> list[str]:
     """``mlflow server`` on 127.0.0.1:``port`` with its store and artifacts in ``folder``."""
     return [
@@ -403,12 +417,40 @@ def mlflow_server(
 @pytest.fixture
 def server_url(tmp_path: Path) -> Iterator[str]:
     """A real ``mlflow server`` on 127.0.0.1 with its own store, stopped by its process group."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv = local_server_argv(port, tmp_path)
     with mlflow_server(argv, port, tmp_path) as url:
         yield url
+
+
+def invoke(url: str, images: np.ndarray) -> list[dict]:
+    body = json.dumps({"inputs": images.tolist()}).encode()
+    request = urllib.request.Request(
+        f"{url}/invocations", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())["predictions"]
+
+
+def served(model_uri: str, cwd: Path, images: np.ndarray) -> list[dict]:
+    """Predictions of ``mlflow models serve -m model_uri --env-manager local``, run in ``cwd``
+    (its default store is ./mlflow.db there) on 127.0.0.1, stopped afterwards."""
+    port = free_port()
+    argv = [
+        "mlflow",
+        "models",
+        "serve",
+        "-m",
+        model_uri,
+        "--env-manager",
+        "local",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    with mlflow_server(argv, port, cwd) as url:
+        return invoke(url, images)
 
 
 # --- a reference for jobs started by cluster launchers (torchrun, srun)
@@ -485,3 +527,36 @@ def wait_for_job(job: str, timeout: float = 300) -> str:
             subprocess.run(["scancel", job], check=False)
             pytest.fail(f"job {job} still {state} after {timeout} s: {seen}")
         time.sleep(0.5)
+
+
+@pytest.fixture
+def s3_server(tmp_path: Path):
+    """A local moto S3 server (started and stopped here) and the environment that points boto3
+    and LitData at it."""
+    server = str(Path(sys.executable).parent / "moto_server")  # a dev dependency: moto[server]
+    port = free_port()
+    proc = subprocess.Popen(
+        [server, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "moto did not start"
+                time.sleep(0.1)
+        yield env
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)

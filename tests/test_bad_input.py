@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.task.data.mnist import FILES
-from tests.conftest import N_TEST, N_TRAIN, PROJECT, run_entry, tiny_overrides
+from tests.conftest import N_TRAIN, PROJECT, run_entry, tiny_overrides
 from tests.forked_entry import ForkedEntry
-from tests.idx_data import make_dataset
 from tests.image_data import make_image_folder
 
 pytestmark = pytest.mark.slow
@@ -54,6 +52,10 @@ def fails_before_any_work(
 
 CORES = len(os.sched_getaffinity(0))
 DEVICES_HELP = "is not valid: use devices=N for N processes per machine (N >= 1"
+
+
+# A proxy on a closed local port: every download fails at once, as on a machine offline.
+OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
 
 
 @pytest.mark.parametrize(
@@ -175,44 +177,6 @@ def test_bad_setting(
         pytest.skip("GPU indices are valid on a machine with GPUs")
     stderr = fails_before_any_work(tmp_path, *overrides, data_root=tiny_root, forked=forked)
     assert message in stderr
-
-
-# A proxy on a closed local port: every download fails at once, as on a machine offline.
-OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
-
-
-def test_missing_data_offline_with_download_on(tiny_root: Path, tmp_path: Path) -> None:
-    root = tmp_path / "nowhere"
-    stderr = fails_before_any_work(tmp_path, "data.download=true", data_root=root, env=OFFLINE)
-    assert f"MNIST-format data not found in {root}/MNIST/raw" in stderr
-    assert "the download was tried" in stderr and "Download failed from" in stderr
-    assert "data.download=true" not in stderr, "download is already on: no such advice"
-    assert not root.exists(), "a refused data.root gets no folders"
-
-
-def test_empty_data_root_with_download_off(
-    tiny_root: Path, tmp_path: Path, forked: ForkedEntry
-) -> None:
-    root = tmp_path / "empty"
-    root.mkdir()
-    stderr = fails_before_any_work(tmp_path, "data.download=false", data_root=root, forked=forked)
-    assert f"MNIST-format data not found in {root}/MNIST/raw" in stderr
-    assert "or set data.download=true" in stderr
-    assert list(root.iterdir()) == []
-
-
-@pytest.mark.parametrize("download", ["false", "true"])
-def test_data_error_names_only_the_missing_file(download: str, tmp_path: Path) -> None:
-    root = tmp_path / "partial"
-    make_dataset(root, n_train=N_TRAIN, n_test=N_TEST)
-    raw = root / "MNIST" / "raw"
-    missing, *present = "t10k-labels-idx1-ubyte", *FILES[:3]
-    (raw / f"{missing}.gz").unlink()
-    env = OFFLINE if download == "true" else None
-    stderr = fails_before_any_work(tmp_path, f"data.download={download}", data_root=root, env=env)
-    assert f"MNIST-format data not found in {raw} (missing {missing}.gz;" in stderr
-    assert not [name for name in present if name in stderr], f"present files named: {stderr}"
-    assert sorted(p.name for p in raw.iterdir()) == sorted(f"{name}.gz" for name in present)
 
 
 def test_more_gpus_than_the_machine_has(

@@ -1,257 +1,51 @@
-"""Tests for src/data.py: IDX parsing, download with mirrors/MD5, and the data module."""
-
-from __future__ import annotations
+"""Tests for src/template/data.py, on the machinery's own test task (tests/machinery_task.py):
+the validation carve-out, loaders and their workers, device-resident splits, batch sizes per
+device, and the predict split."""
 
 import contextlib
-import dataclasses
-import functools
-import hashlib
-import http.server
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import psutil
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
-from src.task.data.images import Normalize
-from src.task.data.mnist import DATASETS, FILES, MNISTDataModule, download, load_split, read_idx
-from src.template.data import Batch, DataError, TensorSplit, drop_rows, keep_batch
+from src.template.data import DataError, drop_rows
 from tests.conftest import PROJECT, process_group
-from tests.idx_data import idx_bytes, make_dataset, write_idx
-from tests.real_data import DATA_DIR_ENV, real_data_dir
-
-SHARED_DATA = real_data_dir()  # $TEMPLATE_DATA_DIR, else None
+from tests.machinery_task import synthetic_data
 
 
-# --- helpers
-
-
-def md5(path: Path) -> str:
-    return hashlib.md5(path.read_bytes()).hexdigest()
-
-
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def http_root(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    """A local HTTP server over a temp folder: yields (folder, base URL)."""
-    www = tmp_path / "www"
-    www.mkdir()
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(www))
-    )
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield www, f"http://127.0.0.1:{server.server_address[1]}/"
-    server.shutdown()
-    server.server_close()
-
-
-def serve_good_and_bad(www: Path) -> dict[str, str]:
-    """www/good holds a valid tiny dataset, www/bad the same names with corrupted bytes."""
-    make_dataset(www / "src", n_train=20, n_test=7)
-    sums = {}
-    for name in FILES:
-        data = (www / "src" / "MNIST" / "raw" / f"{name}.gz").read_bytes()
-        (www / "good").mkdir(exist_ok=True)
-        (www / "bad").mkdir(exist_ok=True)
-        (www / "good" / f"{name}.gz").write_bytes(data)
-        (www / "bad" / f"{name}.gz").write_bytes(data[:-5] + b"xxxxx")
-        sums[f"{name}.gz"] = hashlib.md5(data).hexdigest()
-    return sums
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# --- read_idx / load_split
-
-
-@pytest.mark.parametrize("suffix", [".gz", ""])
-def test_read_idx_round_trip(tmp_path: Path, suffix: str) -> None:
-    images = np.random.default_rng(1).integers(0, 256, (5, 28, 28), dtype=np.uint8)
-    labels = np.arange(5, dtype=np.uint8)
-    out_images = read_idx(write_idx(tmp_path / f"img{suffix}", images), 3)
-    out_labels = read_idx(write_idx(tmp_path / f"lbl{suffix}", labels), 1)
-    np.testing.assert_array_equal(out_images, images)
-    np.testing.assert_array_equal(out_labels, labels)
-    assert out_images.flags.writeable
-
-
-def test_read_idx_truncated_file(tmp_path: Path) -> None:
-    path = tmp_path / "short-images"
-    path.write_bytes(idx_bytes(np.zeros((3, 28, 28), np.uint8))[:-10])
-    with pytest.raises(DataError, match="short-images.*2352 bytes, found 2342"):
-        read_idx(path, 3)
-
-
-def test_read_idx_truncated_gzip(tmp_path: Path) -> None:
-    path = write_idx(tmp_path / "cut-images.gz", np.zeros((3, 28, 28), np.uint8))
-    path.write_bytes(path.read_bytes()[:-12])
-    with pytest.raises(DataError, match="cut-images.gz"):
-        read_idx(path, 3)
-
-
-def test_read_idx_wrong_magic(tmp_path: Path) -> None:
-    path = write_idx(tmp_path / "labels", np.zeros(4, np.uint8))
-    with pytest.raises(DataError, match=r"labels.*magic 0x00000801, expected 0x00000803"):
-        read_idx(path, 3)
-
-
-def test_load_split_count_mismatch(tmp_path: Path) -> None:
-    make_dataset(tmp_path)
-    write_idx(
-        tmp_path / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz",
-        np.zeros(49, np.uint8),
-    )
-    with pytest.raises(DataError, match="train-images-idx3-ubyte.*train-labels-idx1-ubyte"):
-        load_split(tmp_path, DATASETS["mnist"], train=True)
-
-
-def test_load_split_label_out_of_range(tmp_path: Path) -> None:
-    make_dataset(tmp_path)
-    write_idx(
-        tmp_path / "MNIST" / "raw" / "t10k-labels-idx1-ubyte.gz",
-        np.full(17, 10, np.uint8),
-    )
-    with pytest.raises(DataError, match="label 10"):
-        load_split(tmp_path, DATASETS["mnist"], train=False)
-
-
-def test_load_split_prefers_gz_and_accepts_extracted(tmp_path: Path) -> None:
-    arrays = make_dataset(tmp_path, gz=False)
-    images, labels = load_split(tmp_path, DATASETS["mnist"], train=False)
-    assert images.dtype == torch.uint8 and images.shape == (17, 1, 28, 28)
-    assert labels.dtype == torch.int64
-    np.testing.assert_array_equal(labels.numpy(), arrays["t10k-labels-idx1-ubyte"])
-    other = np.zeros(17, np.uint8)
-    write_idx(tmp_path / "MNIST" / "raw" / "t10k-labels-idx1-ubyte.gz", other)
-    assert load_split(tmp_path, DATASETS["mnist"], train=False)[1].sum() == 0
-
-
-# --- download
-
-
-def test_download_good(tmp_path: Path, http_root: tuple[Path, str]) -> None:
-    www, url = http_root
-    spec = dataclasses.replace(
-        DATASETS["mnist"], mirrors=(url + "good/",), md5=serve_good_and_bad(www)
-    )
-    download(tmp_path / "data", spec)
-    raw = tmp_path / "data" / "MNIST" / "raw"
-    assert sorted(p.name for p in raw.iterdir()) == sorted(f"{n}.gz" for n in FILES)
-    assert all(md5(raw / gz) == expected for gz, expected in spec.md5.items())
-    images, labels = load_split(tmp_path / "data", spec, train=True)
-    assert images.shape == (20, 1, 28, 28) and labels.shape == (20,)
-
-
-def test_download_falls_back_to_next_mirror(tmp_path: Path, http_root: tuple[Path, str]) -> None:
-    www, url = http_root
-    sums = serve_good_and_bad(www)
-    spec = dataclasses.replace(DATASETS["mnist"], mirrors=(url + "bad/", url + "good/"), md5=sums)
-    download(tmp_path, spec)
-    raw = tmp_path / "MNIST" / "raw"
-    assert {p.name: md5(p) for p in raw.iterdir()} == sums
-
-
-def test_download_only_fetches_missing(tmp_path: Path, http_root: tuple[Path, str]) -> None:
-    www, url = http_root
-    sums = serve_good_and_bad(www)
-    make_dataset(tmp_path, n_train=20, n_test=7, gz=False)
-    (tmp_path / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").unlink()
-    spec = dataclasses.replace(DATASETS["mnist"], mirrors=(url + "good/",), md5=sums)
-    download(tmp_path, spec)
-    gz = [p.name for p in (tmp_path / "MNIST" / "raw").glob("*.gz")]
-    assert gz == ["t10k-labels-idx1-ubyte.gz"]
-
-
-@pytest.mark.parametrize("mirrors", [("bad/",), ("bad/", "missing/")])
-def test_download_all_mirrors_bad(
-    tmp_path: Path, http_root: tuple[Path, str], mirrors: tuple[str, ...]
-) -> None:
-    www, url = http_root
-    spec = dataclasses.replace(
-        DATASETS["mnist"],
-        mirrors=tuple(url + m for m in mirrors),
-        md5=serve_good_and_bad(www),
-    )
-    with pytest.raises(DataError) as info:
-        download(tmp_path, spec)
-    message = str(info.value)
-    raw = tmp_path / "MNIST" / "raw"
-    for expected in (str(raw), "data.root", *FILES):
-        assert expected in message
-    assert "data.download=true" not in message, "download is on: the advice is elsewhere"
-    assert not (tmp_path / "MNIST").exists(), "folders made for the download are removed"
-
-
-def test_download_unreachable_mirror(tmp_path: Path) -> None:
-    spec = dataclasses.replace(DATASETS["mnist"], mirrors=(f"http://127.0.0.1:{closed_port()}/",))
-    with pytest.raises(DataError, match=r"(?s)data\.root.*internet.*last error"):
-        download(tmp_path, spec)
-    assert list(tmp_path.iterdir()) == []
-
-
-# --- data module
-
-
-def make_module(root: Path, **overrides: object) -> MNISTDataModule:
-    kwargs: dict[str, object] = {
-        "name": "mnist",
-        "root": str(root),
-        "download": False,
-        "batch_size": 8,
-        "val_size": 10,
-    }
-    return MNISTDataModule(**(kwargs | overrides))
-
-
-def test_setup_splits_are_deterministic_permutations(tmp_path: Path) -> None:
-    make_dataset(tmp_path)
-    dm = make_module(tmp_path)
-    dm.prepare_data()
+def test_setup_splits_are_deterministic_permutations() -> None:
+    dm = synthetic_data()
     dm.setup("fit")
     dm.setup("fit")  # idempotent
     assert len(dm.val_set) == 10 and len(dm.train_set) == 40
     both = torch.cat([dm.val_set.indices, dm.train_set.indices])
     assert sorted(both.tolist()) == list(range(50))
-    again = make_module(tmp_path)
+    again = synthetic_data()
     again.setup("fit")
     assert torch.equal(again.val_set.indices, dm.val_set.indices)
-    other = make_module(tmp_path, split_seed=7)
+    other = synthetic_data(split_seed=7)
     other.setup("fit")
     assert not torch.equal(other.val_set.indices, dm.val_set.indices)
-    assert dm.num_classes == 10 and dm.classes[3] == "3"
 
 
-def test_the_training_split_keeps_the_read_pixels_in_place(tmp_path: Path) -> None:
-    """The carve-out takes no second copy of the training pixels: what read() returned, its
-    validation rows dropped, is the training split (peak memory 1x the pixels, not 2x)."""
-    make_dataset(tmp_path)
-    dm = make_module(tmp_path)
+def test_the_training_split_keeps_the_read_tensors_in_place() -> None:
+    """The carve-out takes no second copy of the training inputs: what read() returned, its
+    validation rows dropped, is the training split (peak memory 1x the inputs, not 2x)."""
+    dm = synthetic_data()
     read = dm.read
     returned = []
     dm.read = lambda split: returned.append(read(split)) or returned[-1]  # type: ignore[method-assign]
     original = read("train")[0]
     dm.setup("fit")
-    pixels = returned[0][0]
-    assert dm.train_set.inputs.untyped_storage().data_ptr() == pixels.untyped_storage().data_ptr()
+    inputs = returned[0][0]
+    assert dm.train_set.inputs.untyped_storage().data_ptr() == inputs.untyped_storage().data_ptr()
     assert torch.equal(dm.train_set.inputs, original[dm.train_set.indices])
     assert torch.equal(dm.val_set.inputs, original[dm.val_set.indices])
     rows = torch.arange(1000).view(100, 10)
@@ -259,34 +53,11 @@ def test_the_training_split_keeps_the_read_pixels_in_place(tmp_path: Path) -> No
     assert torch.equal(drop_rows(rows.clone(), kept, chunk=7), rows[kept])
 
 
-def test_loader_batches_are_normalised(tmp_path: Path) -> None:
-    arrays = make_dataset(tmp_path)
-    raw_images = torch.from_numpy(arrays["train-images-idx3-ubyte"])
-    raw_labels = torch.from_numpy(arrays["train-labels-idx1-ubyte"]).long()
-    dm = make_module(tmp_path)
-    dm.setup("fit")
-    batch = next(iter(dm.val_dataloader()))
-    assert isinstance(batch, Batch)
-    assert batch.inputs.dtype == torch.float32 and batch.inputs.shape == (8, 1, 28, 28)
-    assert batch.targets.dtype == torch.int64 and batch.indices.dtype == torch.int64
-    assert torch.equal(batch.targets, raw_labels[batch.indices])
-    i = int(batch.indices[0])
-    pixel = float(raw_images[i, 5, 7])
-    expected = (pixel / 255 - 0.1307) / 0.3081
-    assert batch.inputs[0, 0, 5, 7].item() == pytest.approx(expected, abs=1e-5)
-    one = dm.val_set[0]
-    assert one.inputs.shape == (1, 28, 28)
-    assert torch.equal(one.inputs, batch.inputs[0]) and int(one.indices) == i
-    sizes = [len(b.targets) for b in dm.train_dataloader()]
-    assert sizes == [8] * 5
-
-
-def test_loader_workers_start_from_a_single_threaded_process(tmp_path: Path) -> None:
+def test_loader_workers_start_from_a_single_threaded_process() -> None:
     """A rank runs threads (gloo's, the watchdogs, system metrics); a worker forked from it
     while one of them held a lock hung before its first line (1 CI job in ~100). Workers come
     from a process with one thread, and give the batches the rank would read itself."""
-    make_dataset(tmp_path)
-    dm = make_module(tmp_path, num_workers=2)
+    dm = synthetic_data(num_workers=2)
     dm.setup("fit")
     busy = threading.Event()
     thread = threading.Thread(target=busy.wait, daemon=True)  # this process: multi-threaded
@@ -298,16 +69,16 @@ def test_loader_workers_start_from_a_single_threaded_process(tmp_path: Path) -> 
     busy.set()
     assert os.getpid() not in {parent.pid for parent in parents}
     assert [parent.num_threads() for parent in parents] == [1]
-    inline = make_module(tmp_path)
+    inline = synthetic_data()
     inline.setup("fit")
     expected = next(iter(inline.train_dataloader()))
     assert all(torch.equal(a, b) for a, b in zip(first, expected, strict=True))
 
 
 KILLED_WITH_WORKERS = """
-import os, signal, sys
-from tests.test_data import make_module
-dm = make_module(sys.argv[1], num_workers=2)
+import os, signal
+from tests.machinery_task import synthetic_data
+dm = synthetic_data(num_workers=2)
 dm.setup("fit")
 batches = iter(dm.train_dataloader())
 next(batches)  # from one of its two workers
@@ -319,10 +90,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_loader_workers_end_with_a_killed_rank(tmp_path: Path) -> None:
     """Their forkserver and they kept each other alive after the rank died (their parent is the
     forkserver, which torch's check of a worker's parent watched), forever, holding memory."""
-    make_dataset(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(PROJECT)}
     rank = subprocess.Popen(
-        [sys.executable, "-c", KILLED_WITH_WORKERS, str(tmp_path)],
+        [sys.executable, "-c", KILLED_WITH_WORKERS],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -337,11 +107,10 @@ def test_loader_workers_end_with_a_killed_rank(tmp_path: Path) -> None:
             os.killpg(rank.pid, signal.SIGKILL)  # what the rank left, if the test fails
 
 
-def test_device_resident_loaders_give_the_same_batches(tmp_path: Path) -> None:
+def test_device_resident_loaders_give_the_same_batches() -> None:
     """data.device_resident: each split is copied once (here to the CPU "device") and sliced
     there, with the same batches as the host path; the host copy stays for digests."""
-    make_dataset(tmp_path)
-    host, resident = make_module(tmp_path), make_module(tmp_path, device_resident=True)
+    host, resident = synthetic_data(), synthetic_data(device_resident=True)
     for dm in (host, resident):
         dm.setup("fit")
     for loader in ("train_dataloader", "val_dataloader"):
@@ -354,20 +123,8 @@ def test_device_resident_loaders_give_the_same_batches(tmp_path: Path) -> None:
     assert resident.describe_splits() == host.describe_splits()
 
 
-def test_image_batches_work_with_any_sampler() -> None:
-    ds = TensorSplit(
-        torch.zeros(6, 1, 28, 28, dtype=torch.uint8),
-        torch.arange(6),
-        transform=Normalize([0.0], [1.0]),
-    )
-    sampler = torch.utils.data.SequentialSampler(range(6))
-    loader = DataLoader(ds, batch_size=4, sampler=sampler, collate_fn=keep_batch)
-    assert [b.indices.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5]]
-
-
-def test_batch_size_must_divide_world_size(tmp_path: Path) -> None:
-    make_dataset(tmp_path)
-    dm = make_module(tmp_path, batch_size=10)
+def test_batch_size_must_divide_world_size() -> None:
+    dm = synthetic_data(batch_size=10)
     dm.trainer = SimpleNamespace(world_size=3)
     with pytest.raises(DataError, match=r"data.batch_size=10 .* world size 3.*batch_size=9"):
         dm.setup("fit")
@@ -376,42 +133,13 @@ def test_batch_size_must_divide_world_size(tmp_path: Path) -> None:
     assert dm.per_device_batch_size == 5
 
 
-def test_val_size_too_large(tmp_path: Path) -> None:
-    make_dataset(tmp_path)
+def test_val_size_too_large() -> None:
     with pytest.raises(DataError, match="data.val_size=50.*50"):
-        make_module(tmp_path, val_size=50).setup("fit")
+        synthetic_data(val_size=50).setup("fit")
 
 
-def test_missing_files_without_download(tmp_path: Path) -> None:
-    with pytest.raises(DataError) as info:
-        make_module(tmp_path).prepare_data()
-    assert str(tmp_path / "MNIST" / "raw") in str(info.value) and "data.root" in str(info.value)
-
-
-@pytest.mark.parametrize("download", [False, True])
-def test_missing_files_message_names_only_the_missing_ones(tmp_path: Path, download: bool) -> None:
-    make_dataset(tmp_path, n_train=20, n_test=7)
-    raw = tmp_path / "MNIST" / "raw"
-    for name in FILES[2:]:  # the test split's two files
-        (raw / f"{name}.gz").unlink()
-    dm = make_module(tmp_path, download=download)
-    dm.spec = dataclasses.replace(dm.spec, mirrors=(f"http://127.0.0.1:{closed_port()}/",))
-    with pytest.raises(DataError) as info:
-        dm.prepare_data()  # without download, or with a download that fails
-    message = str(info.value)
-    assert f"missing {FILES[2]}.gz, {FILES[3]}.gz;" in message
-    assert not any(name in message for name in FILES[:2]), "present files are not named"
-    assert sorted(p.name for p in raw.iterdir()) == sorted(f"{n}.gz" for n in FILES[:2])
-
-
-def test_unknown_dataset_name(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="fashion_mnist"):
-        make_module(tmp_path, name="cifar")
-
-
-def test_predict_split_and_test_loader(tmp_path: Path) -> None:
-    make_dataset(tmp_path)
-    dm = make_module(tmp_path)
+def test_predict_split_and_test_loader() -> None:
+    dm = synthetic_data()
     dm.setup("test")
     assert sum(len(b.targets) for b in dm.test_dataloader()) == 17
     dm.predict_split = "val"
@@ -420,79 +148,6 @@ def test_predict_split_and_test_loader(tmp_path: Path) -> None:
 
 
 def test_hparams_load_with_weights_only(tmp_path: Path) -> None:
-    dm = make_module(tmp_path)
+    dm = synthetic_data()
     torch.save(dict(dm.hparams), tmp_path / "hp.pt")
     assert torch.load(tmp_path / "hp.pt", weights_only=True)["val_size"] == 10
-
-
-# --- real files
-
-
-def _require(folder: str, *names: str) -> None:
-    if SHARED_DATA is None:
-        pytest.skip(
-            f"real data not available: set {DATA_DIR_ENV} to a folder that holds {folder}/raw/ "
-            "(torchvision's raw layout)"
-        )
-    raw = SHARED_DATA / folder / "raw"
-    absent = [n for n in names if not (raw / f"{n}.gz").exists() and not (raw / n).exists()]
-    if absent:
-        pytest.skip(
-            f"real data not available: {raw} lacks {', '.join(absent)} "
-            f"(set {DATA_DIR_ENV} to a folder that holds {folder}/raw/)"
-        )
-
-
-def real_data_skip(env: dict[str, str]) -> str:
-    """Why test_real_fashion_mnist skips in a pytest run with ``env``: its -rs reason."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            f"{__file__}::test_real_fashion_mnist",
-            "-rs",
-            "-p",
-            "no:cacheprovider",
-        ],
-        cwd=PROJECT,
-        env={**env, "PYTHONPATH": str(PROJECT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-2000:]
-    unwrapped = " ".join(proc.stdout.split())
-    return unwrapped.partition("real data not available: ")[2].partition(" ===")[0]
-
-
-def test_real_data_folder_is_taken_from_the_environment(tmp_path: Path) -> None:
-    """The real-data tests look where TEMPLATE_DATA_DIR says, and skip naming that folder."""
-    reason = real_data_skip({**os.environ, DATA_DIR_ENV: str(tmp_path)})
-    assert reason.startswith(f"{tmp_path / 'FashionMNIST' / 'raw'} lacks")
-    assert f"set {DATA_DIR_ENV} to a folder" in reason
-
-
-def test_without_a_real_data_folder_the_skip_says_how_to_give_one() -> None:
-    """No folder of some machine is guessed, or named: the reason is the variable to set."""
-    env = {key: value for key, value in os.environ.items() if key != DATA_DIR_ENV}
-    assert real_data_skip(env) == (
-        f"set {DATA_DIR_ENV} to a folder that holds FashionMNIST/raw/ (torchvision's raw layout)"
-    )
-
-
-def test_real_fashion_mnist() -> None:
-    _require("FashionMNIST", *FILES)
-    spec = DATASETS["fashion_mnist"]
-    images, labels = load_split(SHARED_DATA, spec, train=True)
-    assert images.shape == (60000, 1, 28, 28) and images.dtype == torch.uint8
-    assert np.bincount(labels.numpy(), minlength=10).tolist() == [6000] * 10
-    images, labels = load_split(SHARED_DATA, spec, train=False)
-    assert images.shape == (10000, 1, 28, 28) and int(labels.max()) == 9
-
-
-def test_real_mnist_test_split() -> None:
-    _require("MNIST", *FILES[2:])
-    images, labels = load_split(SHARED_DATA, DATASETS["mnist"], train=False)
-    assert images.shape == (10000, 1, 28, 28) and labels.shape == (10000,)
-    assert labels.dtype == torch.int64 and int(labels.min()) >= 0 and int(labels.max()) == 9

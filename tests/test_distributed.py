@@ -7,7 +7,6 @@ subprocesses: a DDP launch inside pytest would re-launch pytest itself.
 import csv
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from tests.conftest import (
     VAL_SIZE,
     assert_rank_logs,
     assert_same_metrics,
+    free_port,
     load_checkpoint,
     only_run,
     processes_with_env,
@@ -295,12 +295,6 @@ def test_two_ranks_train_the_same_weights_as_one(tiny_root: Path, tmp_path: Path
     for name, value in weights[1].items():
         for other in (2, "2-resident", "2-fsdp"):
             torch.testing.assert_close(weights[other][name], value, atol=1e-5, rtol=1e-4, msg=name)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_together(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path) -> None:

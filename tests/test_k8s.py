@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.conftest import PROJECT, assert_same_metrics, only_run, tiny_overrides
-from tests.test_distributed import free_port, launch_together
+from tests.conftest import PROJECT, assert_same_metrics, free_port, only_run, tiny_overrides
+from tests.test_distributed import launch_together
 
 MANIFEST = PROJECT / "k8s" / "train-jobset.yaml"
 # The openAPIV3Schema of jobset.x-k8s.io/v1alpha2 from the JobSet v0.9.1 CRD

@@ -79,7 +79,7 @@ SKIPPED: dict[str, str] = {
     r"\$SKYPILOT_": "runs on the nodes of a SkyPilot cluster",
     r"\bdata=shards\b|\bimages=|-m src\.prepare\b": "writes or reads shards, or reads new image "
     "files: "
-    "tests/test_shards.py runs these",
+    "tests/task/test_shards.py runs these",
     r"^sbatch\b(?!.*--gpus-per-node=0)": "needs GPU nodes (--gpus-per-node of 2 or 4); the same "
     "script runs on CPU nodes here: 'sbatch --gpus-per-node=0 slurm/train.sbatch' below and "
     "tests/test_slurm.py (1 node x 2 tasks, 2 nodes x 1)",
@@ -87,7 +87,8 @@ SKIPPED: dict[str, str] = {
     "(.ci/run) makes a fresh venv and installs the project exactly so, then runs the tests in it",
     r"^python3? -m pytest\b(?!.*tests/)": "the test suite itself (what CI's .ci/run runs)",
     r"^TEMPLATE_DATA_DIR=\S+ python3? -m pytest\b": "reads the real Fashion-MNIST/MNIST files, "
-    "not here; tests/test_data.py::test_real_data_folder_is_taken_from_the_environment runs one "
+    "not here; tests/task/test_mnist.py::test_real_data_folder_is_taken_from_the_environment runs "
+    "one "
     "of these tests with TEMPLATE_DATA_DIR set to another folder and checks it looks there",
     r"^sky\b": "needs a cloud account; tests/test_sky.py runs sky/train.yaml's run: section on "
     "this host as 2 nodes x 1 process, and sky/tracking-server.yaml's as on its VM",
@@ -1034,6 +1035,7 @@ def test_runners_and_skips_split_the_sbatch_and_server_commands() -> None:
     assert skip_reason("sbatch slurm/train.sbatch model.lr=0.01")
     assert skip_reason("docker run --rm --gpus all img") == "needs a GPU"
     assert skip_reason("python -m pytest tests/test_data.py") is None
+    assert skip_reason("python -m pytest tests/task/test_nets.py") is None
     assert skip_reason("python -m pytest -m not slow")
     assert runner_of("mlflow ui") and runner_of("mlflow server --port 5000")
 
@@ -1134,6 +1136,7 @@ def test_readme_links_every_docs_page() -> None:
 
 CONF = PROJECT / "conf"
 SETUPS = ("experiment", "hparams_search")  # whole setups: values of keys set elsewhere
+TASK_GROUPS = ("data", "model")  # the task's own keys (tests/task/test_conf.py)
 
 
 def leaf_keys(node: dict, prefix: str = "") -> Iterator[str]:
@@ -1162,9 +1165,11 @@ def config_keys() -> set[str]:
 
 
 def test_configuration_page_names_every_key() -> None:
+    """Every key of the machinery's configs; the task's are checked with the task."""
     page = (PROJECT / "docs" / "configuration.md").read_text()
-    assert "model.net.channels" in config_keys()
-    assert [key for key in sorted(config_keys()) if f"`{key}`" not in page] == []
+    keys = [key for key in sorted(config_keys()) if key.split(".")[0] not in TASK_GROUPS]
+    assert "trainer.max_epochs" in keys and "callbacks.checkpoint.save_top_k" in keys
+    assert [key for key in keys if f"`{key}`" not in page] == []
 
 
 def test_link_checker_on_a_sample(tmp_path: Path) -> None:

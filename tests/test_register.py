@@ -1,5 +1,5 @@
 """``python -m src.register``: the best job of a sweep by its optimized_metric, in the task's
-direction. Registering and serving a real sweep's model: tests/test_serving.py; a real sweep of
+direction. Registering and serving a real sweep's model: tests/task/test_serving.py; a real sweep of
 a task that minimises its metric: tests/test_task_contract.py."""
 
 import json
@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from src.register import best_job, main
+from src.task import TASK
 
 
 def sweep_of(folder: Path, scores: list[float | None], metric: str = "val/acc_best") -> Path:
@@ -60,7 +61,9 @@ def test_a_sweep_without_a_finished_job_is_one_line(
 def test_a_best_job_without_a_run_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    sweep = sweep_of(tmp_path / "sweep", [0.4, 0.6])
-    assert main([str(sweep), "--name", "best"]) == 1, "the image task: highest val/acc_best"
+    metric = TASK.config_values()["optimized_metric"]
+    sweep = sweep_of(tmp_path / "sweep", [0.4, 0.6], metric)
+    assert main([str(sweep), "--name", "best"]) == 1
     err = capsys.readouterr().err
-    assert err == f"Error: the best job, {sweep / '1'} (val/acc_best=0.6), has no MLflow run\n"
+    job, score = ("1", 0.6) if TASK.mode == "max" else ("0", 0.4)  # the task's best
+    assert err == f"Error: the best job, {sweep / job} ({metric}={score}), has no MLflow run\n"

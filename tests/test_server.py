@@ -26,7 +26,6 @@ from mlflow.exceptions import MlflowException
 
 from tests.conftest import PROJECT, files_holding, run_entry, tiny_overrides
 from tests.test_readme import arguments, override, shown
-from tests.test_shards import s3_server  # noqa: F401  (the moto S3 server fixture)
 
 SCRIPT = PROJECT / "server" / "tracking.sh"
 UNIT = PROJECT / "server" / "mlflow-tracking.service"

@@ -17,11 +17,12 @@ from tests.conftest import (
     PROJECT,
     assert_rank_logs,
     assert_same_metrics,
+    free_port,
     kill_process_trees,
     only_run,
     tiny_overrides,
 )
-from tests.test_distributed import free_port, launch_together
+from tests.test_distributed import launch_together
 from tests.test_resume import SIGNAL_AT_STEP
 from tests.test_server import (
     ADMIN_PASSWORD,
@@ -32,7 +33,6 @@ from tests.test_server import (
     service_env,
     tracking,
 )
-from tests.test_shards import s3_server  # noqa: F401  (the moto S3 server fixture)
 
 TASK = PROJECT / "sky" / "train.yaml"
 MANAGED = PROJECT / "sky" / "train-managed.yaml"  # a managed job on spot nodes

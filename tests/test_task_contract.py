@@ -22,12 +22,11 @@ import yaml
 from mlflow import MlflowClient
 
 from src.template.sweep_run import PARENT_FILE
-from tests.conftest import PROJECT, read_metrics, run_entry
-from tests.test_serving import served
+from tests.conftest import PROJECT, read_metrics, run_entry, served
 from tests.test_sweep_report import rows
 
 REGRESSION = PROJECT / "tests" / "regression_task"  # laid out as the project: src/task/, conf/
-TASK_PATHS = ("src/task", "conf")  # all a forker edits
+TASK_PATHS = ("src/task", "conf", "tests/task")  # all a forker edits
 LEFT_OUT = {
     ".git",
     ".venv",
@@ -63,15 +62,16 @@ def set_line(path: Path, pattern: str, line: str) -> None:
 
 def make_it_a_regression(copy: Path) -> None:
     """The steps of docs/make-it-yours.md for another kind of task, in ``copy``."""
-    # 1. Delete the image task: its package and the configs of its datasets and networks.
+    # 1. Delete the image task: its package, its tests and the configs of its datasets and networks.
     shutil.rmtree(copy / "src" / "task")
+    shutil.rmtree(copy / "tests" / "task", ignore_errors=True)  # absent in a project made so
     for group in ("data", "model", "experiment", "hparams_search"):
         for path in (copy / "conf" / group).glob("*.yaml"):
             path.unlink()
     # 2. Write the new one: src/task/ (TASK and what it names), conf/data/, conf/model/.
     shutil.copytree(REGRESSION, copy, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__py*"))
     # 3. Point the entry points' defaults at it (the sweep metric follows its TASK.monitor).
-    for entry in ("train", "eval", "predict"):
+    for entry in ("train", "eval", "predict", "prepare"):
         set_line(copy / "conf" / f"{entry}.yaml", "  - data:", "  - data: synthetic")
     set_line(copy / "conf" / "train.yaml", "  - model:", "  - model: mlp")
 
@@ -266,3 +266,32 @@ def test_a_sweep_of_two_learning_rates(project: Path) -> None:
     assert done.stdout.startswith(f"registered regression version 1: {sweep / best} (val/loss=")
     (version,) = client.search_model_versions("name = 'regression'")
     assert version.run_id == (sweep / best / "mlflow_run_id.txt").read_text().strip()
+
+
+@pytest.mark.slow
+def test_the_machinery_tests_pass_without_the_image_task(project: Path, tmp_path: Path) -> None:
+    """A forker who replaces the task keeps the machinery's tests: in a fork of the copy (a git
+    checkout, tests/task/ gone with the image task), every test module imports and the daily set
+    passes. The machinery's tests build on their own task (tests/machinery_task.py); the
+    end-to-end tests of the shipped tiny MNIST job skip, saying why."""
+    fork = tmp_path / "fork"
+    shutil.copytree(project, fork, ignore=leave_out)  # its own: the module's copy stays as made
+    subprocess.run(["git", "init", "-q"], cwd=fork, check=True)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+        + [f"--basetemp={tmp_path / 'inner'}", "--durations=0"],
+        cwd=fork,
+        env={**env, "PYTHONPATH": str(fork), "COLUMNS": "500"},  # a skip reason on one line
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert re.match(r"\d+ passed, \d+ skipped", summary), summary
+    assert "error" not in summary and "failed" not in summary, summary
+    assert "tests/test_data.py" in proc.stdout and "tests/task/" not in proc.stdout
+    skipped = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
+    allowed = ("needs a CUDA GPU", "needs a GPU to build", "this project has no data=mnist")
+    assert all(any(reason in line for reason in allowed) for line in skipped), skipped

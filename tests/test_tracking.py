@@ -16,7 +16,6 @@ from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
-from src.task import TASK
 from src.template.config import flatten
 from src.template.settings import JobSettings
 from src.template.store import (
@@ -30,15 +29,15 @@ from src.template.store import (
 from src.template.tracking import build_loggers, log_model, run_to_continue, user_tags
 from tests.conftest import (
     PROJECT,
+    free_port,
     mlflow_server,
     only_run,
     read_metrics,
     run_entry,
     tiny_overrides,
 )
+from tests.machinery_task import TASK, synthetic_data
 from tests.test_config import compose_config
-from tests.test_data import make_module
-from tests.test_distributed import free_port
 
 
 def test_flatten_uses_override_style_keys() -> None:
@@ -171,20 +170,17 @@ def test_tensorboard_beside_any_logger(kind: str, tmp_path: Path) -> None:
 
 
 class DataDependent(torch.nn.Module):
-    """A network torch.export cannot trace: its control flow depends on the pixels."""
+    """A network torch.export cannot trace: its control flow depends on the inputs."""
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        logits = images.flatten(1)[:, :10]
-        return logits if images.sum() > 0 else -logits
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        outputs = inputs.flatten(1)[:, :1]
+        return outputs if inputs.sum() > 0 else -outputs
 
 
-def test_a_network_that_cannot_be_exported_costs_a_warning_not_the_job(
-    tiny_root: Path, tmp_path: Path
-) -> None:
+def test_a_network_that_cannot_be_exported_costs_a_warning_not_the_job(tmp_path: Path) -> None:
     cfg = compose_config("train", [f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"], tmp_path)
     loggers = build_loggers(cfg, JobSettings.from_config(cfg))
-    datamodule = make_module(tiny_root)
-    datamodule.prepare_data()
+    datamodule = synthetic_data()
     datamodule.load("test")
     out = Path(cfg.paths.output_dir)
     with pytest.warns(UserWarning, match="not logged as an MLflow model: exporting it failed"):

@@ -16,7 +16,6 @@ from lightning.pytorch.callbacks import Callback
 import src.template
 from src import train
 from src.task import TASK
-from src.task.model import ImageClassifier
 from src.template import entry
 
 HOOKS = ("on_train_batch_start", "on_train_batch_end")
@@ -27,7 +26,7 @@ checked: list[str] = []
 def strict(hook):
     @functools.wraps(hook)
     def wrapped(self, *args, **kwargs):
-        trainer = self.trainer if isinstance(self, ImageClassifier) else args[0]
+        trainer = self.trainer if isinstance(self, TASK.model_class) else args[0]
         if trainer.global_step < WARM_UP_STEPS or trainer.sanity_checking:
             return hook(self, *args, **kwargs)
         torch.cuda.synchronize()
@@ -58,7 +57,7 @@ def template_callbacks() -> list[type[Callback]]:
 
 
 if __name__ == "__main__":
-    ImageClassifier.training_step = strict(ImageClassifier.training_step)
+    TASK.model_class.training_step = strict(TASK.model_class.training_step)
     for callback in template_callbacks():
         for name in HOOKS:
             if name in vars(callback):

@@ -23,7 +23,7 @@ def stage_metrics() -> nn.ModuleDict:
 class Regressor(L.LightningModule):
     SET_BY_DATA = ("features",)  # from the data, never from config
 
-    def __init__(self, features: int, hidden: int = 32, lr: float = 0.01) -> None:
+    def __init__(self, features: int, hidden: int, lr: float = 0.01) -> None:
         super().__init__()
         if lr <= 0:
             raise ValueError(f"model.lr={lr} must be > 0")

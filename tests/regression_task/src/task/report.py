@@ -12,7 +12,8 @@ from torch import Tensor
 def predictions(
     columns: Mapping[str, Tensor], data: Any
 ) -> tuple[dict[str, Sequence], dict[str, float]]:
-    target, predicted = columns["target"], columns["predicted"]
+    target = columns["target"]
+    predicted = columns["predicted"]
     table = {
         "index": columns["index"].tolist(),
         "target": target.tolist(),

@@ -7,7 +7,6 @@ import csv
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -447,41 +446,6 @@ def test_partitioned_shards_train_the_same_on_one_and_two_ranks(
     one, two = global_batches(tmp_path / "one.jsonl"), global_batches(tmp_path / "two.jsonl")
     assert one == two and len(one) >= 8
     assert_weights_close(tmp_path / "one", tmp_path / "two")
-
-
-@pytest.fixture
-def s3_server(tmp_path: Path):
-    """A local moto S3 server (started and stopped here) and the environment that points boto3
-    and LitData at it."""
-    server = str(Path(sys.executable).parent / "moto_server")  # a dev dependency: moto[server]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [server, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "moto did not start"
-                time.sleep(0.1)
-        yield env
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
 
 
 def upload(folder: Path, bucket: str, prefix: str, env: dict[str, str]) -> str:

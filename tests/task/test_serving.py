@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,10 +20,17 @@ from src.task import nets
 from src.task.data.image_folder import ImageFolderDataModule
 from src.task.export import export
 from src.template.export import MODEL_FOLDER, save_model
-from tests.conftest import PROJECT, local_server_argv, mlflow_server, run_entry, tiny_overrides
+from tests.conftest import (
+    PROJECT,
+    free_port,
+    local_server_argv,
+    mlflow_server,
+    run_entry,
+    served,
+    tiny_overrides,
+)
 from tests.image_data import make_image_folder
-from tests.test_data import make_module
-from tests.test_distributed import free_port
+from tests.task.test_mnist import make_module
 from tests.test_outbox import sync
 from tests.test_system_metrics import SLOW_STEPS
 
@@ -81,36 +87,6 @@ def test_the_saved_model_takes_raw_images_and_loads_without_pickles(
     if channels == 1:
         with pytest.raises(MlflowException, match="Shape of input"):
             model.predict(raw.numpy())  # one-channel models take [N, H, W]
-
-
-def invoke(url: str, images: np.ndarray) -> list[dict]:
-    body = json.dumps({"inputs": images.tolist()}).encode()
-    request = urllib.request.Request(
-        f"{url}/invocations", body, {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())["predictions"]
-
-
-def served(model_uri: str, cwd: Path, images: np.ndarray) -> list[dict]:
-    """Predictions of ``mlflow models serve -m model_uri --env-manager local``, run in ``cwd``
-    (its default store is ./mlflow.db there) on 127.0.0.1, stopped afterwards."""
-    port = free_port()
-    argv = [
-        "mlflow",
-        "models",
-        "serve",
-        "-m",
-        model_uri,
-        "--env-manager",
-        "local",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    with mlflow_server(argv, port, cwd) as url:
-        return invoke(url, images)
 
 
 def predicted_by_src_predict(workdir: Path, job: Path) -> list[int]:

@@ -6,9 +6,12 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
+from src.task import TASK
 from src.task.data.mnist import MNISTDataModule
 from src.task.model import ImageClassifier
+from src.template.checkpoint import load_for_inference
 from tests.conftest import VAL_SIZE
 
 NET = {"channels": [8, 16], "hidden": 32, "dropout": 0.0, "batch_norm": True}
@@ -85,3 +88,23 @@ def test_speed_options_train_on_cpu(options: dict, tiny_root: Path) -> None:
     trainer.fit(model, datamodule=datamodule)
     assert trainer.global_step == 3
     assert set(model.state_dict()) == set(ImageClassifier(net=NET, lr=0.01).state_dict())
+
+
+def test_an_image_classifier_checkpoint_of_an_older_config_loads(tmp_path: Path) -> None:
+    """Keys of the network's own section (model.net) and a metric state it predates as well."""
+    trained = ImageClassifier(net={**NET, "dropout": 0.25}, lr=0.1)
+    saved = {
+        "state_dict": trained.state_dict(),
+        "hyper_parameters": dict(trained.hparams),
+        "datamodule_hyper_parameters": {"name": "mnist"},
+    }
+    del saved["hyper_parameters"]["channels_last"]  # keys added after it was written
+    del saved["hyper_parameters"]["net"]["dropout"]
+    del saved["state_dict"]["val_acc_best.max_value"]  # a metric state it predates
+    torch.save(saved, tmp_path / "old.ckpt")
+    data = OmegaConf.create({"name": "mnist", "root": str(tmp_path), "download": False})
+    data.update(batch_size=8, val_size=2)
+    with pytest.warns(UserWarning, match=r"predates config keys channels_last=False, net.dropou"):
+        model, _, _ = load_for_inference(str(tmp_path / "old.ckpt"), data, set(), TASK)
+    for name, tensor in trained.net.state_dict().items():
+        assert torch.equal(model.net.state_dict()[name], tensor)

@@ -1,0 +1,90 @@
+"""The shipped task's configs (conf/data/, conf/model/, conf/experiment/, conf/hparams_search/):
+what tests/test_config.py checks for any task, here with the image task's own names."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from src.task import TASK
+from tests.conftest import PROJECT
+from tests.image_data import make_image_folder
+from tests.shard_data import write_manifest
+from tests.test_config import LOCAL_SETTINGS, compose_config, conf_copy, refusal
+from tests.test_readme import TASK_GROUPS, config_keys
+
+DATA = sorted(path.stem for path in (PROJECT / "conf" / "data").glob("*.yaml"))
+MODELS = sorted(path.stem for path in (PROJECT / "conf" / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("data", DATA)
+def test_every_network_gives_one_logit_per_class_of_every_dataset(
+    data: str, model: str, tmp_path: Path
+) -> None:
+    cfg = compose_config("train", [f"data={data}", f"model={model}"], tmp_path)
+    if data == "image_folder":
+        make_image_folder(Path(cfg.data.root), n_train=2, n_test=1)
+    if data == "shards":
+        write_manifest(Path(cfg.data.root))
+    datamodule = TASK.datamodule_class(data)(**OmegaConf.to_container(cfg.data, resolve=True))
+    network = TASK.build_model(OmegaConf.to_container(cfg.model), datamodule)
+    logits = network(torch.zeros(2, *datamodule.image_shape))
+    assert logits.shape == (2, datamodule.num_classes)
+
+
+def test_the_defaults_train_on_mnist_downloaded_beside_the_launch(tmp_path: Path) -> None:
+    cfg = compose_config("train", [], tmp_path)
+    assert cfg.data.name == "mnist" and cfg.model.lr > 0
+    assert cfg.data.root == f"{tmp_path}/data" and cfg.data.download is True
+
+
+def test_fashion_mnist_experiment_overrides_data(tmp_path: Path) -> None:
+    cfg = compose_config("train", ["experiment=fashion_mnist"], tmp_path)
+    assert cfg.data.name == "fashion_mnist"
+    assert cfg.data.batch_size == 128  # inherited from data/mnist.yaml
+
+
+def test_one_local_data_folder_serves_every_dataset(tmp_path: Path) -> None:
+    conf = conf_copy(tmp_path, LOCAL_SETTINGS)
+    for data, folder in (("mnist", ""), ("image_folder", "/image_folder"), ("shards", "/shards")):
+        cfg = compose_config("train", [f"data={data}"], tmp_path, conf)
+        assert cfg.data.root == f"/datasets/here{folder}"
+    cfg = compose_config("train", ["data.root=/typed/root"], tmp_path, conf)
+    assert cfg.data.root == "/typed/root"  # the command line wins
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("mdoel.lr=0.1", "mdoel.lr is not a config key (did you mean model.lr?); top-level keys"),
+        ("dat.root=/x", "dat.root is not a config key (did you mean data.root?); top-level keys"),
+        ("model.lrr=1", "model.lrr is not a config key (did you mean model.lr?); model has: "),
+        ("modle.net.hidden=8", "(did you mean model.net.hidden?)"),
+    ],
+)
+def test_a_mistyped_model_or_data_key_names_the_nearest(override: str, line: str) -> None:
+    shown = refusal(override)
+    assert "\n" not in shown and line in shown, shown
+
+
+def test_the_optuna_search_maximises_the_best_accuracy(tmp_path: Path) -> None:
+    cfg = compose_config("train", ["hparams_search=convnet_optuna"], tmp_path)
+    assert cfg.optimized_metric == TASK.optimized_metric == "val/acc_best"
+    assert TASK.config_values()["direction"] == "maximize"
+
+
+def test_configuration_page_names_every_key_of_the_task() -> None:
+    page = (PROJECT / "docs" / "configuration.md").read_text()
+    keys = [key for key in sorted(config_keys()) if key.split(".")[0] in TASK_GROUPS]
+    assert "model.net.channels" in keys and "data.root" in keys
+    assert [key for key in keys if f"`{key}`" not in page] == []
+
+
+def test_the_data_and_model_keys_a_resume_may_change_exist(tmp_path: Path) -> None:
+    cfg = compose_config("train", [], tmp_path)
+    task_keys = [key for key in cfg.resume_may_differ if key.split(".")[0] in ("data", "model")]
+    assert "data.root" in task_keys and "model.compile" in task_keys
+    for key in task_keys:
+        assert OmegaConf.select(cfg, key, default="missing") != "missing", key
