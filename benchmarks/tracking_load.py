@@ -3,7 +3,7 @@
 Drives an MLflow server as the cloud write-up's setup does: several concurrent jobs (a sweep's
 children under its parent run), each with a rank-0 metric stream and checkpoint uploads, and
 simulated nodes sending system metrics into their job's run, every record through the project's
-outbox (``src/template/outbox.py``: fsynced, sent in order, kept while the server is away).
+outbox (``src/template/tracking/outbox.py``: fsynced, sent in order, kept while the server is away).
 
 * ``postgresql``: the whole service, ``server/tracking.sh start`` (PostgreSQL, MLflow's
   basic-auth server with artifacts proxied to an S3 bucket, caddy's TLS, supervisord). During the
@@ -272,7 +272,7 @@ def drive(
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
-    from src.template.outbox import Outbox, Sender, encode
+    from src.template.tracking.outbox import Outbox, Sender, encode
 
     os.environ.update(service.client_env)
     plain = MlflowClient(service.url)

@@ -3,8 +3,9 @@
 Best by the sweep's ``optimized_metric`` (the value each job returned to Hydra, also in its
 ``metrics.json``) in the task's direction (``TASK.mode``): the job the sweep's parent run and
 its end-of-sweep report name best (:func:`src.template.sweeps.best_job`). That job's MLflow
-model (logged by every training job, see src/template/export.py) becomes a new version of NAME
-in the store the jobs logged to; registering the same model again changes nothing.
+model (logged by every training job, see src/template/tracking/mlflow_model.py) becomes a new
+version of NAME in the store the jobs logged to; registering the same model again changes
+nothing.
 """
 
 import argparse
@@ -16,9 +17,9 @@ from omegaconf import OmegaConf
 from src.task import TASK
 from src.template import sweeps
 from src.template.entry import use_task_in_config
-from src.template.export import MODEL_NAME, register
-from src.template.store import credentials_moved
-from src.template.tracking import RUN_ID_FILE
+from src.template.tracking.mlflow_model import MODEL_NAME, register
+from src.template.tracking.run import RUN_ID_FILE
+from src.template.tracking.store import credentials_moved
 
 
 class NoModel(RuntimeError):

@@ -1,8 +1,8 @@
 """``python -m src.sync OUTPUT_DIR``: send what a job could not send to its MLflow server.
 
 A job whose server was away at its end keeps the records in ``OUTPUT_DIR/mlflow_outbox.jsonl``
-(see src/template/outbox.py) and says so. This sends them, in order, and sets the run's final
-status (FAILED for a job that died before it set one). A ``logger.offline=true`` job's run is
+(see src/template/tracking/outbox.py) and says so. This sends them, in order, and sets the run's
+final status (FAILED for a job that died before it set one). A ``logger.offline=true`` job's run is
 created here. Run it any time, from any machine that sees the folder and the server; run again,
 it changes nothing. Given a sweep folder, it sends every job's, and an offline sweep's parent run:
 made first, so the jobs nest under it, and summed up last, once the jobs' runs have their ids.
@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from src.template import export, sweeps  # noqa: F401  (their outbox record kinds: log_model, summarize)
 from src.template.environment import environment
-from src.template.outbox import (
+from src.template.tracking import mlflow_model, sweep_run  # noqa: F401  (their outbox record kinds: log_model, summarize)
+from src.template.tracking.outbox import (
     NODE_OUTBOX,
     OUTBOX_FILE,
     Outbox,
@@ -23,8 +23,8 @@ from src.template.outbox import (
     encode,
     refused_for_rights,
 )
-from src.template.store import FAIL_FAST, credentials_moved, first_line
-from src.template.tracking import RUN_ID_FILE
+from src.template.tracking.run import RUN_ID_FILE
+from src.template.tracking.store import FAIL_FAST, credentials_moved, first_line
 
 
 def sync(folder: Path, tracking_uri: str | None = None) -> str:

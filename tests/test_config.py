@@ -25,7 +25,7 @@ from src.template.distributed import check_devices
 from src.template.entry import SET_ELSEWHERE, use_task_in_config
 from src.template.settings import JobSettings
 from src.template.sweeps import register_resolvers
-from src.template.tracking import build_loggers
+from src.template.tracking.run import build_loggers
 from src.template.trainer import build_callbacks, build_trainer, check_settings
 from tests.conftest import PROJECT, run_entry
 from tests.image_data import make_image_folder

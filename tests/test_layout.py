@@ -33,7 +33,7 @@ def imported_modules(path: Path) -> set[str]:
 def test_machinery_imports_nothing_of_the_task_package() -> None:
     offenders = {
         path.name: sorted(m for m in imported_modules(path) if m.startswith("src.task"))
-        for path in sorted(MACHINERY.glob("*.py"))
+        for path in sorted(MACHINERY.rglob("*.py"))
     }
     assert not {name: mods for name, mods in offenders.items() if mods}
     assert len(offenders) >= 8, "the machinery modules were found"
@@ -77,7 +77,7 @@ def test_the_machinery_knows_nothing_of_image_classification() -> None:
     string of the machinery names them."""
     found = {
         path.name: sorted(w for w in code_words(path) if TASK_WORDS.search(w.replace("_", " ")))
-        for path in sorted(MACHINERY.glob("*.py"))
+        for path in sorted(MACHINERY.rglob("*.py"))
     }
     assert not {name: words for name, words in found.items() if words}
 
@@ -104,7 +104,7 @@ TASK_PACKAGE = PROJECT / "src" / "task"
 def machinery_private_methods() -> set[str]:
     """Names of the underscore methods (not dunders) of every machinery class."""
     names = set()
-    for path in MACHINERY.glob("*.py"):
+    for path in MACHINERY.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 names |= {

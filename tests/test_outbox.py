@@ -24,7 +24,14 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 
 from src import sync as src_sync
-from src.template.outbox import OUTBOX_FILE, Outbox, OutboxBusy, OutboxClient, Sender, encode
+from src.template.tracking.outbox import (
+    OUTBOX_FILE,
+    Outbox,
+    OutboxBusy,
+    OutboxClient,
+    Sender,
+    encode,
+)
 from tests.conftest import PROJECT, local_server_argv, mlflow_server, read_metrics, run_entry
 from tests.test_sweeps import sweep_folders, sweep_overrides
 

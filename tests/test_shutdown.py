@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 
 from src.template.settings import JobSettings
 from src.template.shutdown import run_lifecycle, stop_line
-from src.template.tracking import build_loggers, log_config
+from src.template.tracking.run import build_loggers, log_config
 from src.template.trainer import build_callbacks, build_trainer
 from tests.conftest import PROJECT, only_run
 from tests.test_config import compose_config

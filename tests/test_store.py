@@ -15,7 +15,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, UNAUTHENTICATED
 from mlflow.server.auth.client import AuthServiceClient
 
-from src.template.store import (
+from src.template.tracking.store import (
     CERTIFICATE,
     CREDENTIALS,
     TrackingError,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from src.template.sweep_report import Sweep, report
-from src.template.sweep_run import PARENT_FILE
+from src.template.tracking.sweep_run import PARENT_FILE
 from tests.conftest import run_entry, tiny_overrides
 from tests.test_register import sweep_of
 

@@ -9,8 +9,8 @@ import pytest
 from mlflow import MlflowClient
 
 from src.sync import sync
-from src.template.outbox import NODE_OUTBOX, Outbox, OutboxClient, encode
-from src.template.system_metrics import Sampler
+from src.template.tracking.outbox import NODE_OUTBOX, Outbox, OutboxClient, encode
+from src.template.tracking.system_metrics import Sampler
 from tests.conftest import PROJECT, run_entry, tiny_overrides
 from tests.test_outbox import sqlite_run
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from src.template.sweep_run import PARENT_FILE
+from src.template.tracking.sweep_run import PARENT_FILE
 from tests.conftest import PROJECT, read_metrics, run_entry, served
 from tests.test_sweep_report import rows
 

@@ -18,7 +18,9 @@ from omegaconf import OmegaConf
 
 from src.template.config import flatten
 from src.template.settings import JobSettings
-from src.template.store import (
+from src.template.tracking.outcome import log_model
+from src.template.tracking.run import build_loggers, run_to_continue, user_tags
+from src.template.tracking.store import (
     TrackingError,
     artifact_location,
     mask_override,
@@ -26,7 +28,6 @@ from src.template.store import (
     prepare_store,
     without_password,
 )
-from src.template.tracking import build_loggers, log_model, run_to_continue, user_tags
 from tests.conftest import (
     PROJECT,
     free_port,
@@ -74,7 +75,9 @@ def test_logger_run_id_names_a_run_of_the_store(tmp_path: Path) -> None:
 def test_jobs_starting_together_on_a_fresh_store_all_get_it(tmp_path: Path) -> None:
     # A sweep's SLURM jobs start at once: each job's rank 0 prepares the same fresh store.
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    script = f"from src.template.store import prepare_store; prepare_store({uri!r}, 'mnist')"
+    script = (
+        f"from src.template.tracking.store import prepare_store; prepare_store({uri!r}, 'mnist')"
+    )
     env = {**os.environ, "PYTHONPATH": str(PROJECT)}
     jobs = [
         subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)

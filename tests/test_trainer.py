@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from src.task import TASK
 from src.template.settings import JobSettings
-from src.template.tracking import build_loggers
+from src.template.tracking.run import build_loggers
 from src.template.trainer import (
     SET_BY_TEMPLATE,
     NoProfiler,

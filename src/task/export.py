@@ -1,6 +1,6 @@
 """What a trained image classifier is as a served MLflow model: raw uint8 images in, the
 predicted class, its name and every class's probability out (see :mod:`src.task.served_model`).
-The machinery exports, saves, logs and registers it (:mod:`src.template.export`)."""
+The machinery exports, saves, logs and registers it (:mod:`src.template.tracking.mlflow_model`)."""
 
 import copy
 from pathlib import Path

@@ -13,11 +13,12 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException as C
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from src.template import checkpoint, data, reporting, shutdown, store, sweep_report, sweeps
+from src.template import checkpoint, data, reporting, shutdown, sweep_report, sweeps
 from src.template.config import describe_config_error
 from src.template.distributed import job_scope
 from src.template.environment import environment
 from src.template.task import Task
+from src.template.tracking import store
 from src.template.trainer import SET_BY_TEMPLATE
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.template import checkpoint, reporting, sweep_run, sweeps
+from src.template import checkpoint, reporting, sweeps
 from src.template.config import (
     as_config_error,
     check_choice,
@@ -27,6 +27,7 @@ from src.template.settings import JobSettings
 from src.template.start import Start, where_to_start
 from src.template.task import Task
 from src.template.tracked_run import TrackedRun
+from src.template.tracking import sweep_run
 from src.template.trainer import build_callbacks, build_trainer, check_settings
 
 

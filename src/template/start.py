@@ -11,8 +11,9 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
-from src.template import checkpoint, reporting, sweeps, tracking
+from src.template import checkpoint, reporting, sweeps
 from src.template.settings import JobSettings
+from src.template.tracking import run
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def finished_job_run(
         if not sweeps.job_finished(folder):
             return None  # Lightning ends the run FINISHED after fit, before testing: not done
         return (saved.get("mlflow") or {}).get("run_id", "")
-    return tracking.finished_run(saved, cfg, settings)
+    return run.finished_run(saved, cfg, settings)
 
 
 @rank_zero_only

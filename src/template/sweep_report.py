@@ -17,11 +17,11 @@ from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig
 from rich.table import Table
 
-from src.template.outbox import OFFLINE
 from src.template.reporting import console, show_warning
-from src.template.store import run_page
-from src.template.sweep_run import PARENT_FILE
 from src.template.sweeps import best_is, best_job, read_jobs, write_jobs_table
+from src.template.tracking.outbox import OFFLINE
+from src.template.tracking.store import run_page
+from src.template.tracking.sweep_run import PARENT_FILE
 
 
 @dataclass(frozen=True)

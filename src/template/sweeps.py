@@ -11,7 +11,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from statistics import mean, stdev
@@ -24,7 +23,6 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
 from src.template.files import write_text_atomically
-from src.template.outbox import register_kind
 
 log = logging.getLogger(__name__)
 
@@ -237,54 +235,6 @@ def write_jobs_table(folder: Path, jobs: Sequence[dict[str, Any]]) -> Path:
     keys = sorted({key for job in jobs for key in job["metrics"]})
     rows = [{key: job[key] for key in FIELDS} | job["metrics"] for job in jobs]
     return write_table(folder / JOBS_FILE, rows, [*FIELDS, *keys])
-
-
-def write_summary(client: Any, run_id: str, folder: Path, metric: str, mode: str) -> None:
-    from mlflow.entities import Metric, RunTag
-
-    jobs = read_jobs(folder)
-    keys = sorted({key for job in jobs for key in job["metrics"]})
-    client.log_artifact(run_id, str(write_jobs_table(folder, jobs)))
-    scored = scored_jobs(jobs, metric)
-    tags = {"sweep.jobs": str(len(jobs)), "sweep.finished": str(len(scored))}
-    values: dict[str, float] = {}
-    if best := best_job(jobs, metric, mode):
-        tags |= {
-            "best.job": best["job"],
-            "best.run_id": best["run_id"],
-            "best.overrides": best["overrides"] or "(none)",
-        }
-        values[f"best/{metric}"] = best["metrics"][metric]
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for job in scored:  # by the overrides other than the repeated ones, if it varies one
-        others = [o for o in job["overrides"].split() if not o.startswith(REPEATS)]
-        if len(others) < len(job["overrides"].split()):
-            groups.setdefault(" ".join(others) or "(all)", []).append(job)
-    groups = {group: members for group, members in groups.items() if len(members) > 1}
-    spreads = [row for group, members in groups.items() for row in spread(group, members, keys)]
-    if spreads:
-        client.log_artifact(
-            run_id, str(write_table(folder / SEEDS_FILE, spreads, list(spreads[0])))
-        )
-    if len(groups) == 1:  # every job differs only in seed: the spread is the sweep's result
-        for row in spreads:
-            for stat in ("mean", "std", "ci95_low", "ci95_high"):
-                values[f"{row['metric']}_{stat}"] = row[stat]
-    now = int(time.time() * 1000)
-    client.log_batch(
-        run_id,
-        [Metric(k, float(v), now, 0) for k, v in values.items()],
-        tags=[RunTag(k, v) for k, v in tags.items()],
-    )
-    client.set_terminated(run_id, "FINISHED")  # the summary of every job ended so far
-
-
-def send_summary(client: Any, run_id: str, folder: str, metric: str, mode: str) -> None:
-    """A queued ``summarize`` record (an offline sweep's summary), sent by src.sync."""
-    write_summary(client, run_id, Path(folder), metric, mode)
-
-
-register_kind("summarize", ("folder", "metric", "mode"), send_summary)
 
 
 def write_table(path: Path, rows: list[dict], fields: list) -> Path:

@@ -12,11 +12,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
-from src.template import checkpoint, tracking
+from src.template import checkpoint
 from src.template.settings import JobSettings
 from src.template.shutdown import run_lifecycle
 from src.template.start import Start, say
 from src.template.task import Task
+from src.template.tracking import outcome, run
 
 
 class TrackedRun:
@@ -40,15 +41,15 @@ class TrackedRun:
         """A new run, or the one the resumed checkpoint recorded into; a finished job trained on
         (lengthened) records into a new run that starts with the finished run's epochs."""
         if start.finished_run is None:
-            continue_run = tracking.run_to_continue(start.saved, cfg, settings, auto=start.auto)
-            loggers = tracking.build_loggers(cfg, settings, continue_run=continue_run)
+            continue_run = run.run_to_continue(start.saved, cfg, settings, auto=start.auto)
+            loggers = run.build_loggers(cfg, settings, continue_run=continue_run)
             return cls(cfg, settings, loggers)
         say(
             f"{Path(start.ckpt_path).parent.parent}: this job finished; it trains on into a new "
             f"MLflow run (tag continues_run={start.finished_run}), its finished run left as it was"
         )
         tags = {"continues_run": start.finished_run} if start.finished_run else {}
-        loggers = tracking.build_loggers(cfg, settings, extra_tags=tags)
+        loggers = run.build_loggers(cfg, settings, extra_tags=tags)
         history = None
         if start.finished_run and cfg.logger.get("continue_run", True):  # false: its own epochs
             history = (start.finished_run, checkpoint.epochs_done(start.saved))
@@ -60,21 +61,21 @@ class TrackedRun:
     ) -> "TrackedRun":
         """An evaluation's own run, tagged with (in the same store: nested under) ``source``,
         the training run its checkpoint came from."""
-        tags = tracking.source_tags(source, cfg.ckpt_path, cfg.logger.get("tracking_uri", ""))
-        return cls(cfg, settings, tracking.build_loggers(cfg, settings, extra_tags=tags))
+        tags = outcome.source_tags(source, cfg.ckpt_path, cfg.logger.get("tracking_uri", ""))
+        return cls(cfg, settings, run.build_loggers(cfg, settings, extra_tags=tags))
 
     def training_callbacks(self) -> list[Callback]:
         """The run's bookkeeping in checkpoints, and system metrics (one sampler per node)."""
-        return tracking.callbacks(self.loggers, self.cfg)
+        return run.callbacks(self.loggers, self.cfg)
 
     @contextmanager
     def recording(self, trainer: L.Trainer) -> Iterator[None]:
         """Around the Trainer's work: stop signals handled, the config logged as params (and a
         lengthened job's history copied), the records sent; the run never left RUNNING."""
-        with tracking.sending(self.loggers, self.cfg), run_lifecycle(trainer):
-            tracking.log_config(self.loggers, self.cfg, trainer)
+        with run.sending(self.loggers, self.cfg), run_lifecycle(trainer):
+            run.log_config(self.loggers, self.cfg, trainer)
             if self.history:
-                tracking.copy_history(self.loggers, self.cfg, *self.history)
+                run.copy_history(self.loggers, self.cfg, *self.history)
             yield
 
     def record_outcome(
@@ -90,12 +91,12 @@ class TrackedRun:
         """After training: the data read, the files (config, metrics, best checkpoint, figures)
         and the task's exported model, logged at ``step`` with its final ``metrics``."""
         out = self.settings.output_dir
-        tracking.log_outcome(self.loggers, datamodule, out, best_checkpoint, figures)
-        tracking.log_model(
+        outcome.log_outcome(self.loggers, datamodule, out, best_checkpoint, figures)
+        outcome.log_model(
             self.loggers, self.cfg.logger, task, model, datamodule, out, step, metrics
         )
 
     @staticmethod
     def attach_to(source: Mapping[str, str] | None, path: Path, folder: str) -> None:
         """A file (predictions) added to the training run ``source``, if the checkpoint had one."""
-        tracking.attach_to_source_run(source, path, folder)
+        outcome.attach_to_source_run(source, path, folder)

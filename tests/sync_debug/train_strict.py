@@ -43,8 +43,8 @@ def strict(hook):
 def template_callbacks() -> list[type[Callback]]:
     """Every Lightning callback class the machinery defines, in any of its modules."""
     modules = [
-        importlib.import_module(f"src.template.{info.name}")
-        for info in pkgutil.iter_modules(src.template.__path__)
+        importlib.import_module(info.name)
+        for info in pkgutil.walk_packages(src.template.__path__, "src.template.")
     ]
     return [
         value

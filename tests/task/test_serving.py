@@ -19,7 +19,7 @@ from mlflow.exceptions import MlflowException
 from src.task import nets
 from src.task.data.image_folder import ImageFolderDataModule
 from src.task.export import export
-from src.template.export import MODEL_FOLDER, save_model
+from src.template.tracking.mlflow_model import MODEL_FOLDER, save_model
 from tests.conftest import (
     PROJECT,
     free_port,

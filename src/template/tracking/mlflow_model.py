@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from src.template.environment import environment, quiet
-from src.template.outbox import register_kind
 from src.template.task import ModelExport
+from src.template.tracking.outbox import register_kind
 
 MODEL_FOLDER = MODEL_NAME = "model"  # the saved model in the output folder; its name in the run
 SPLIT_CONTEXTS = {"val": "validation"}  # a metric's prefix -> its dataset input's context

@@ -1,10 +1,9 @@
-"""What a job's MLflow run records, from rank 0: the config as params, where it came from as tags,
-per-epoch metrics, datasets, artifacts and the model. The store: store.py; sending: outbox.py."""
+"""A job's run, set up: the loggers (``logger.kind``, TensorBoard, ``logger.extra``), where the run
+came from as tags, which run a job continues, the config as params, and the records sent while
+the job runs. What a run records at the end: outcome.py."""
 
-import json
 import socket
 import sys
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,112 +13,32 @@ import lightning.pytorch as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from src.template import store, sweep_run
 from src.template.config import as_config_error, flatten
 from src.template.files import write_text_atomically
-from src.template.outbox import Outbox, OutboxClient, Sender, encode, finish, offline_run_id
-from src.template.private import run_context_tags
-from src.template.resume import epoch_finished
 from src.template.settings import JobSettings
-from src.template.store import TrackingError, first_line, sqlite_file, without_password
 from src.template.sweeps import sweep_job
-from src.template.system_metrics import SystemMetrics
-from src.template.task import Task
+from src.template.tracking import store, sweep_run
+from src.template.tracking.logger import (
+    EpochMLFlowLogger,
+    OneFileTensorBoardLogger,
+    RunBookkeeping,
+    mlflow_logger,
+)
+from src.template.tracking.outbox import offline_run_id
+from src.template.tracking.store import TrackingError, first_line, sqlite_file, without_password
+from src.template.tracking.system_metrics import SystemMetrics
 
 PARAM_LIMIT = 6000  # MLflow's longest param value
+
+
 RUN_ID_FILE = "mlflow_run_id.txt"  # in the output folder: the run a job (re)opened
+
+
 NOTE_TAG = "mlflow.note.content"  # what the MLflow UI shows and edits as a run's description
-STATUS = {"success": "FINISHED", "failed": "FAILED", "finished": "FINISHED"}  # Lightning's
-
-
-class EpochMLFlowLogger(MLFlowLogger):
-    """Metrics at step = epoch. A continued run skips the steps it has (a job killed between
-    logging an epoch and checkpointing it repeats that epoch); an epoch cut short by
-    ``max_steps`` is logged once, by the job that completes it."""
-
-    def __init__(
-        self,
-        experiment_name: str,
-        run_name: str | None,
-        tracking_uri: str,
-        outbox_folder: Path,
-        offline: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        names = {"experiment_name": experiment_name, "run_name": run_name}
-        super().__init__(**names, tracking_uri=tracking_uri, **kwargs)
-        self.uri = tracking_uri
-        self.experiment_name = experiment_name
-        self.offline = offline  # the outbox is all there is: nothing contacts the server
-        self.continued = kwargs.get("run_id") is not None and not offline
-        self.last_step: dict[str, int] = {}  # per metric; a continued run's, read when reopened
-        self.cut_epoch: int | None = None
-        self.outbox_folder = outbox_folder
-        self.outbox: Outbox | None = None  # with a server: opened by start_sending
-        self.sender: Sender | None = None
-        if offline:  # the run is a record for src.sync to create later
-            self.outbox = Outbox(outbox_folder, without_password(tracking_uri))
-            tags = run_context_tags(kwargs.get("tags") or {})
-            self.outbox.append(encode("create_run", self.run_id, **names, tags=tags))
-
-    def start_sending(self) -> None:
-        """Against a server: open the run, then send its records from the outbox in the
-        background, in order (:mod:`src.template.outbox`); the job never waits for the server."""
-        if self.outbox is not None:  # offline: nothing is sent
-            return
-        client = opened_run(self, self.uri, self.experiment_name)
-        self.outbox = Outbox(self.outbox_folder, without_password(self.uri))
-        self.sender = Sender(self.outbox, client)
-        self.sender.start()
-
-    def stop_sending(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for the records, then say in one line what is left, if any."""
-        if self.outbox is not None:
-            finish(self.outbox, self.sender, timeout_s, self.run_id, self.offline)
-
-    @property
-    def experiment(self) -> Any:
-        client = None if self.offline else super().experiment
-        return OutboxClient(client, self.outbox) if self.outbox else client
-
-    @rank_zero_only
-    def finalize(self, status: str = "success") -> None:
-        if self.outbox is None:
-            return super().finalize(status)
-        # Lightning's finalize asks the server whether the run exists first: it may be away.
-        self.experiment.set_terminated(self.run_id, STATUS.get(status, "KILLED"))
-
-    @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        metrics = dict(metrics)
-        epoch = metrics.pop("epoch", None)
-        if epoch is not None and int(epoch) == self.cut_epoch:
-            return
-        step = int(epoch) if epoch is not None else step
-        if self.continued and step is not None:
-            metrics = {k: v for k, v in metrics.items() if step > self.last_step.get(k, -1)}
-        if metrics:
-            super().log_metrics(metrics, step=step)
-            self.last_step.update(dict.fromkeys(metrics, -1 if step is None else step))
-
-
-class OneFileTensorBoardLogger(TensorBoardLogger):
-    """One events file per job (rank 0's): Lightning closes the writer after fitting and opens a
-    second file for testing; this flushes instead, and :func:`sending` closes it at the end."""
-
-    @rank_zero_only
-    def finalize(self, status: str) -> None:
-        if self._experiment is not None:  # not `experiment`: it would open a file to flush
-            self._experiment.flush()
-        self.save()
-
-    def close(self) -> None:
-        if self._experiment is not None:
-            self._experiment.close()
 
 
 def build_loggers(
@@ -176,10 +95,6 @@ def mlflow_run_logger(
         offline=offline,
         outbox_folder=settings.output_dir,
     )
-
-
-def mlflow_logger(loggers: list[Logger]) -> MLFlowLogger | None:
-    return next((logger for logger in loggers if isinstance(logger, MLFlowLogger)), None)
 
 
 def run_tags(cfg: DictConfig, settings: JobSettings) -> dict[str, str]:
@@ -366,17 +281,6 @@ def log_params(logger: MLFlowLogger, params: Mapping[str, Any]) -> None:
     client.log_batch(run_id, params=entries, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
-def opened_run(logger: MLFlowLogger, tracking_uri: str, experiment_name: str) -> Any:
-    """The server's client, once it opened the run; an account that may read the experiment but
-    not write runs into it is refused here, in one line (:func:`store.refusal`)."""
-    try:
-        return logger.experiment
-    except Exception as error:
-        if refused := store.refusal(tracking_uri, experiment_name, error):
-            raise TrackingError(refused) from error
-        raise
-
-
 @contextmanager
 def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
     """Against a server, the run's records go through the outbox (SQLite is written directly);
@@ -395,126 +299,6 @@ def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
             logger.stop_sending(cfg.logger.get("send_timeout_s", 0))
 
 
-@rank_zero_only
-def log_outcome(
-    loggers: list[Logger],
-    datamodule: Any,
-    output_dir: Path,
-    best_checkpoint: str,
-    figures: list[Path],
-) -> None:
-    """After training: the data read (as MLflow dataset inputs: split, size, digest), the config,
-    metrics, best checkpoint (it loads with ``weights_only=True``; a sharded one is a folder)
-    and test figures."""
-    if (logger := mlflow_logger(loggers)) is None:
-        return
-    from mlflow.entities import Dataset, DatasetInput, InputTag  # not imported by other loggers
-
-    source = json.dumps({"uri": str(datamodule.source)})
-    inputs = [
-        DatasetInput(
-            Dataset(f"{datamodule.name}/{split}", digest, source_type="local", source=source),
-            tags=[InputTag("mlflow.data.context", split), InputTag("samples", str(samples))],
-        )
-        for split, (samples, digest) in datamodule.describe_splits().items()
-    ]
-    logger.experiment.log_inputs(logger.run_id, datasets=inputs)
-    files = [(None, output_dir / "config.yaml"), (None, output_dir / "metrics.json")]
-    files += [("checkpoints", Path(best_checkpoint))] if best_checkpoint else []
-    files += [("figures", path) for path in figures]
-    for folder, path in files:
-        if path.is_dir():
-            folder = f"{folder}/{path.name}"
-            logger.experiment.log_artifacts(logger.run_id, str(path), artifact_path=folder)
-        else:
-            logger.experiment.log_artifact(logger.run_id, str(path), artifact_path=folder)
-
-
-@rank_zero_only
-def log_model(
-    loggers: list[Logger],
-    settings: DictConfig,
-    task: Task,
-    model: Any,
-    datamodule: Any,
-    output_dir: Path,
-    step: int,
-    metrics: Sequence[str],
-) -> None:
-    """The task's exported model (:func:`saved_model`) logged as the run's LoggedModel at the
-    step of its final ``metrics``, registered if ``logger.registered_model_name``. ``model`` is
-    whole (not sharded: see ``checkpoint.whole_model``)."""
-    from src.template import export
-
-    logger = mlflow_logger(loggers)
-    if logger is None or not settings.get("log_model", True):
-        return
-    folder = saved_model(task, model, datamodule, output_dir / export.MODEL_FOLDER)
-    if folder is None:  # the task exports none, or exporting failed: said in one line
-        return
-    name = settings.get("registered_model_name")
-    key = uuid.uuid4().hex
-    if logger.outbox is not None:
-        record = {"folder": folder, "step": step, "key": key, "metrics": list(metrics)}
-        logger.outbox.append(encode("log_model", logger.run_id, registered_name=name, **record))
-        then = f" and registered as a version of {name}" if name else ""
-        print(
-            f"MLflow model saved in {folder}; it is logged to run {logger.run_id}{then} "
-            "when the run's records are sent"
-        )
-        return
-    uri = logger.experiment.tracking_uri
-    run_id = logger.run_id
-    model_id, version = export.log_model(uri, run_id, folder, step, key, name, metrics)
-    served = f"models:/{name}/{version}" if name else f"models:/{model_id}"
-    print(
-        f"MLflow model {served} of run {run_id}. Serve it: "
-        f"mlflow models serve -m {served} --env-manager local"
-    )
-
-
-def saved_model(task: Task, model: Any, datamodule: Any, folder: Path) -> Path | None:
-    """The task's export of ``model`` saved as an MLflow model in ``folder``; None, said in one
-    line, where the task exports none or exporting fails: it never costs the job's results."""
-    from src.template import export
-
-    if task.export is None:
-        print("No MLflow model logged: the task has no export (Task.export, src/task/__init__.py)")
-        return None
-    try:
-        return export.save_model(task.export(model, datamodule), folder)
-    except Exception as error:
-        rank_zero_warn(
-            f"the model was not logged as an MLflow model: exporting it failed "
-            f"({first_line(error, 200)}). The checkpoint is logged as before; "
-            "logger.log_model=false skips this step"
-        )
-        return None
-
-
-def source_tags(source: Mapping[str, str] | None, ckpt_path: str, tracking_uri: str) -> dict:
-    """Tags linking an eval run to the training run its checkpoint came from."""
-    tags = {"source_checkpoint": str(Path(ckpt_path).resolve())}
-    if source:
-        tags["source_run_id"] = source["run_id"]
-        if source["tracking_uri"] == without_password(tracking_uri):
-            tags["mlflow.parentRunId"] = source["run_id"]  # the UI nests it under training
-    return tags
-
-
-@rank_zero_only
-def attach_to_source_run(source: Mapping[str, str] | None, path: Path, folder: str) -> None:
-    """Add a file (e.g. predictions) to the training run a checkpoint came from, if any."""
-    if not source:
-        return
-    from mlflow import MlflowClient
-
-    try:
-        MlflowClient(source["tracking_uri"]).log_artifact(source["run_id"], str(path), folder)
-    except Exception as error:  # the file is on disk; the run is a convenience
-        rank_zero_warn(f"could not attach {path.name} to run {source['run_id']}: {error}")
-
-
 def callbacks(loggers: list[Logger], cfg: DictConfig) -> list[Callback]:
     """On rank 0, the run's bookkeeping; on every rank, system metrics (one sampler per node)."""
     logger = mlflow_logger(loggers)
@@ -523,22 +307,3 @@ def callbacks(loggers: list[Logger], cfg: DictConfig) -> list[Callback]:
     if cfg.logger.kind == "mlflow" and cfg.logger.system_metrics_s and not cfg.logger.offline:
         found.append(SystemMetrics(logger, cfg.logger, Path(cfg.paths.output_dir)))
     return found
-
-
-class RunBookkeeping(Callback):
-    """Stores the run in every checkpoint (eval and predict link back to it), and tells the
-    logger when ``max_steps`` cut an epoch short (Lightning still logs its end)."""
-
-    def __init__(self, logger: MLFlowLogger, tracking_uri: str) -> None:
-        self.logger = logger
-        self.tracking_uri = tracking_uri
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.logger.cut_epoch = None if epoch_finished(trainer) else trainer.current_epoch
-
-    def on_save_checkpoint(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        if trainer.is_global_zero:
-            uri = without_password(self.tracking_uri)
-            checkpoint["mlflow"] = {"run_id": self.logger.run_id, "tracking_uri": uri}

@@ -13,8 +13,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
-from src.template.outbox import NODE_OUTBOX, Outbox, OutboxClient, Sender, finish
-from src.template.store import sqlite_file
+from src.template.tracking.outbox import NODE_OUTBOX, Outbox, OutboxClient, Sender, finish
+from src.template.tracking.store import sqlite_file
 
 PREFIX = "system/"
 FIRST_READING_S = 1.0  # the first reading, this long after start-up

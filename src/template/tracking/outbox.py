@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from src.template.files import write_text_atomically
-from src.template.store import EXPERIMENT_TAGS, first_line, http_status
+from src.template.tracking.store import EXPERIMENT_TAGS, first_line, http_status
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ WRITES: dict[str, tuple[str, ...]] = {
 }
 # Record kinds beyond the client's own calls: name -> (the names of their arguments after the
 # run id, how one is sent: ``send(client, run_id, **arguments)``). The module that owns a kind
-# registers it (export.py: log_model; sweeps.py: summarize); src.sync imports those modules.
+# registers it (mlflow_model.py: log_model; sweep_run.py: summarize); src.sync imports those.
 KINDS: dict[str, tuple[tuple[str, ...], Callable[..., None]]] = {}
 
 

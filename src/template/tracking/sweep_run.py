@@ -1,17 +1,31 @@
 """One MLflow parent run per sweep: every job's run nests under it, and each job, as it ends,
-rewrites the sweep's summary there (:func:`~src.template.sweeps.write_summary`), under a lock on
+rewrites the sweep's summary there (:func:`write_summary`), under a lock on
 the sweep folder, so it works with every launcher, and a sweep run again continues it."""
 
 import json
+import time
 from contextlib import closing
+from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig
 
 from src.template.files import write_text_atomically
-from src.template.outbox import Outbox, encode, offline_run_id
-from src.template.store import locked, mask_override, without_password
-from src.template.sweeps import sweep_command, sweep_job, write_summary
+from src.template.sweeps import (
+    REPEATS,
+    SEEDS_FILE,
+    best_job,
+    read_jobs,
+    scored_jobs,
+    spread,
+    sweep_command,
+    sweep_job,
+    write_jobs_table,
+    write_table,
+)
+from src.template.tracking.outbox import Outbox, encode, offline_run_id, register_kind
+from src.template.tracking.store import locked, mask_override, without_password
 
 PARENT_FILE = "mlflow_parent_run.json"  # in the sweep folder: the parent run and its store
 
@@ -83,3 +97,51 @@ def summarize(cfg: DictConfig, mode: str) -> None:
                     outbox.append(record)
     except Exception as error:
         rank_zero_warn(f"the sweep's summary on run {parent['run_id']} was not updated: {error}")
+
+
+def write_summary(client: Any, run_id: str, folder: Path, metric: str, mode: str) -> None:
+    from mlflow.entities import Metric, RunTag
+
+    jobs = read_jobs(folder)
+    keys = sorted({key for job in jobs for key in job["metrics"]})
+    client.log_artifact(run_id, str(write_jobs_table(folder, jobs)))
+    scored = scored_jobs(jobs, metric)
+    tags = {"sweep.jobs": str(len(jobs)), "sweep.finished": str(len(scored))}
+    values: dict[str, float] = {}
+    if best := best_job(jobs, metric, mode):
+        tags |= {
+            "best.job": best["job"],
+            "best.run_id": best["run_id"],
+            "best.overrides": best["overrides"] or "(none)",
+        }
+        values[f"best/{metric}"] = best["metrics"][metric]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for job in scored:  # by the overrides other than the repeated ones, if it varies one
+        others = [o for o in job["overrides"].split() if not o.startswith(REPEATS)]
+        if len(others) < len(job["overrides"].split()):
+            groups.setdefault(" ".join(others) or "(all)", []).append(job)
+    groups = {group: members for group, members in groups.items() if len(members) > 1}
+    spreads = [row for group, members in groups.items() for row in spread(group, members, keys)]
+    if spreads:
+        client.log_artifact(
+            run_id, str(write_table(folder / SEEDS_FILE, spreads, list(spreads[0])))
+        )
+    if len(groups) == 1:  # every job differs only in seed: the spread is the sweep's result
+        for row in spreads:
+            for stat in ("mean", "std", "ci95_low", "ci95_high"):
+                values[f"{row['metric']}_{stat}"] = row[stat]
+    now = int(time.time() * 1000)
+    client.log_batch(
+        run_id,
+        [Metric(k, float(v), now, 0) for k, v in values.items()],
+        tags=[RunTag(k, v) for k, v in tags.items()],
+    )
+    client.set_terminated(run_id, "FINISHED")  # the summary of every job ended so far
+
+
+def send_summary(client: Any, run_id: str, folder: str, metric: str, mode: str) -> None:
+    """A queued ``summarize`` record (an offline sweep's summary), sent by src.sync."""
+    write_summary(client, run_id, Path(folder), metric, mode)
+
+
+register_kind("summarize", ("folder", "metric", "mode"), send_summary)

@@ -1,0 +1,141 @@
+"""Rank 0's MLflow logger: metrics at step = epoch, its run's records kept in an outbox and sent
+in the background against a server (it opens and closes both), offline runs as records only;
+TensorBoard in one file; the run's id in every checkpoint."""
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+from src.template.private import run_context_tags
+from src.template.resume import epoch_finished
+from src.template.tracking import store
+from src.template.tracking.outbox import Outbox, OutboxClient, Sender, encode, finish
+from src.template.tracking.store import TrackingError, without_password
+
+STATUS = {"success": "FINISHED", "failed": "FAILED", "finished": "FINISHED"}  # Lightning's
+
+
+class EpochMLFlowLogger(MLFlowLogger):
+    """Metrics at step = epoch. A continued run skips the steps it has (a job killed between
+    logging an epoch and checkpointing it repeats that epoch); an epoch cut short by
+    ``max_steps`` is logged once, by the job that completes it."""
+
+    def __init__(
+        self,
+        experiment_name: str,
+        run_name: str | None,
+        tracking_uri: str,
+        outbox_folder: Path,
+        offline: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        names = {"experiment_name": experiment_name, "run_name": run_name}
+        super().__init__(**names, tracking_uri=tracking_uri, **kwargs)
+        self.uri = tracking_uri
+        self.experiment_name = experiment_name
+        self.offline = offline  # the outbox is all there is: nothing contacts the server
+        self.continued = kwargs.get("run_id") is not None and not offline
+        self.last_step: dict[str, int] = {}  # per metric; a continued run's, read when reopened
+        self.cut_epoch: int | None = None
+        self.outbox_folder = outbox_folder
+        self.outbox: Outbox | None = None  # with a server: opened by start_sending
+        self.sender: Sender | None = None
+        if offline:  # the run is a record for src.sync to create later
+            self.outbox = Outbox(outbox_folder, without_password(tracking_uri))
+            tags = run_context_tags(kwargs.get("tags") or {})
+            self.outbox.append(encode("create_run", self.run_id, **names, tags=tags))
+
+    def start_sending(self) -> None:
+        """Against a server: open the run, then send its records from the outbox in the
+        background, in order (:mod:`~src.template.tracking.outbox`); the job never waits for the
+        server."""
+        if self.outbox is not None:  # offline: nothing is sent
+            return
+        client = opened_run(self, self.uri, self.experiment_name)
+        self.outbox = Outbox(self.outbox_folder, without_password(self.uri))
+        self.sender = Sender(self.outbox, client)
+        self.sender.start()
+
+    def stop_sending(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the records, then say in one line what is left, if any."""
+        if self.outbox is not None:
+            finish(self.outbox, self.sender, timeout_s, self.run_id, self.offline)
+
+    @property
+    def experiment(self) -> Any:
+        client = None if self.offline else super().experiment
+        return OutboxClient(client, self.outbox) if self.outbox else client
+
+    @rank_zero_only
+    def finalize(self, status: str = "success") -> None:
+        if self.outbox is None:
+            return super().finalize(status)
+        # Lightning's finalize asks the server whether the run exists first: it may be away.
+        self.experiment.set_terminated(self.run_id, STATUS.get(status, "KILLED"))
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        metrics = dict(metrics)
+        epoch = metrics.pop("epoch", None)
+        if epoch is not None and int(epoch) == self.cut_epoch:
+            return
+        step = int(epoch) if epoch is not None else step
+        if self.continued and step is not None:
+            metrics = {k: v for k, v in metrics.items() if step > self.last_step.get(k, -1)}
+        if metrics:
+            super().log_metrics(metrics, step=step)
+            self.last_step.update(dict.fromkeys(metrics, -1 if step is None else step))
+
+
+class OneFileTensorBoardLogger(TensorBoardLogger):
+    """One events file per job (rank 0's): Lightning closes the writer after fitting and opens a
+    second file for testing; this flushes instead, and :func:`sending` closes it at the end."""
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if self._experiment is not None:  # not `experiment`: it would open a file to flush
+            self._experiment.flush()
+        self.save()
+
+    def close(self) -> None:
+        if self._experiment is not None:
+            self._experiment.close()
+
+
+def mlflow_logger(loggers: list[Logger]) -> MLFlowLogger | None:
+    return next((logger for logger in loggers if isinstance(logger, MLFlowLogger)), None)
+
+
+def opened_run(logger: MLFlowLogger, tracking_uri: str, experiment_name: str) -> Any:
+    """The server's client, once it opened the run; an account that may read the experiment but
+    not write runs into it is refused here, in one line (:func:`store.refusal`)."""
+    try:
+        return logger.experiment
+    except Exception as error:
+        if refused := store.refusal(tracking_uri, experiment_name, error):
+            raise TrackingError(refused) from error
+        raise
+
+
+class RunBookkeeping(Callback):
+    """Stores the run in every checkpoint (eval and predict link back to it), and tells the
+    logger when ``max_steps`` cut an epoch short (Lightning still logs its end)."""
+
+    def __init__(self, logger: MLFlowLogger, tracking_uri: str) -> None:
+        self.logger = logger
+        self.tracking_uri = tracking_uri
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.logger.cut_epoch = None if epoch_finished(trainer) else trainer.current_epoch
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if trainer.is_global_zero:
+            uri = without_password(self.tracking_uri)
+            checkpoint["mlflow"] = {"run_id": self.logger.run_id, "tracking_uri": uri}
