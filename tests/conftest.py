@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
+from tests.forked_entry import ForkedEntry
 from tests.idx_data import make_dataset
 
 # torch's OpenMP threads wait for work by spinning. With several test jobs at once on 2 cores that
@@ -208,6 +209,14 @@ def kill_process_trees(*procs: subprocess.Popen) -> None:
     psutil.wait_procs(tree, timeout=30)
     for proc in procs:
         proc.wait()
+
+
+@pytest.fixture(scope="module")
+def forked() -> Iterator[ForkedEntry]:
+    """Entry points run in forks of one process that imported them (tests/forked_entry.py)."""
+    entry = ForkedEntry(PROJECT)
+    yield entry
+    entry.close()
 
 
 def run_entry(

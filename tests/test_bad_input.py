@@ -4,24 +4,16 @@ behind: no output folder, no MLflow store or run, no checkpoint, no folder in ``
 
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import N_TRAIN, PROJECT, run_entry, tiny_overrides
+from tests.conftest import N_TRAIN, run_entry, tiny_overrides
 from tests.forked_entry import ForkedEntry
 from tests.image_data import make_image_folder
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def forked() -> Iterator[ForkedEntry]:
-    entry = ForkedEntry(PROJECT)
-    yield entry
-    entry.close()
 
 
 def fails_before_any_work(

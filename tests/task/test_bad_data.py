@@ -2,25 +2,17 @@
 stops with one line naming the folder and the missing files, before any work and leaving nothing
 (tests/test_bad_input.py checks the rest of the bad input for any task)."""
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from src.task.data.mnist import FILES
-from tests.conftest import N_TEST, N_TRAIN, PROJECT
+from tests.conftest import N_TEST, N_TRAIN
 from tests.forked_entry import ForkedEntry
 from tests.idx_data import make_dataset
 from tests.test_bad_input import OFFLINE, fails_before_any_work
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def forked() -> Iterator[ForkedEntry]:
-    entry = ForkedEntry(PROJECT)
-    yield entry
-    entry.close()
 
 
 def test_missing_data_offline_with_download_on(tiny_root: Path, tmp_path: Path) -> None:
