@@ -8,10 +8,11 @@ import torch
 from omegaconf import OmegaConf
 
 from src.task import TASK
+from src.template.checkpoint import CheckpointError, check_same_job, settings_to_record
 from tests.conftest import PROJECT
 from tests.image_data import make_image_folder
 from tests.shard_data import write_manifest
-from tests.test_config import LOCAL_SETTINGS, compose_config, conf_copy, refusal
+from tests.test_config import ENTRY_CONFIGS, LOCAL_SETTINGS, compose_config, conf_copy, refusal
 from tests.test_readme import TASK_GROUPS, config_keys
 
 DATA = sorted(path.stem for path in (PROJECT / "conf" / "data").glob("*.yaml"))
@@ -34,10 +35,13 @@ def test_every_network_gives_one_logit_per_class_of_every_dataset(
     assert logits.shape == (2, datamodule.num_classes)
 
 
-def test_the_defaults_train_on_mnist_downloaded_beside_the_launch(tmp_path: Path) -> None:
-    cfg = compose_config("train", [], tmp_path)
-    assert cfg.data.name == "mnist" and cfg.model.lr > 0
-    assert cfg.data.root == f"{tmp_path}/data" and cfg.data.download is True
+@pytest.mark.parametrize("name", ENTRY_CONFIGS)
+def test_the_defaults_read_mnist_downloaded_beside_the_launch(name: str, tmp_path: Path) -> None:
+    cfg = compose_config(name, [], tmp_path, conf_copy(tmp_path, None))
+    assert cfg.data.name == "mnist" and cfg.data.root == f"{tmp_path}/data"
+    assert cfg.data.download is True
+    if name == "train":
+        assert cfg.model.lr > 0
 
 
 def test_fashion_mnist_experiment_overrides_data(tmp_path: Path) -> None:
@@ -46,12 +50,15 @@ def test_fashion_mnist_experiment_overrides_data(tmp_path: Path) -> None:
     assert cfg.data.batch_size == 128  # inherited from data/mnist.yaml
 
 
-def test_one_local_data_folder_serves_every_dataset(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ENTRY_CONFIGS)
+def test_one_local_data_folder_serves_every_dataset(name: str, tmp_path: Path) -> None:
     conf = conf_copy(tmp_path, LOCAL_SETTINGS)
     for data, folder in (("mnist", ""), ("image_folder", "/image_folder"), ("shards", "/shards")):
-        cfg = compose_config("train", [f"data={data}"], tmp_path, conf)
+        cfg = compose_config(name, [f"data={data}"], tmp_path, conf)
         assert cfg.data.root == f"/datasets/here{folder}"
-    cfg = compose_config("train", ["data.root=/typed/root"], tmp_path, conf)
+    cfg = compose_config(name, ["paths.data_dir=/typed"], tmp_path, conf)
+    assert cfg.data.root == "/typed"
+    cfg = compose_config(name, ["data.root=/typed/root"], tmp_path, conf)
     assert cfg.data.root == "/typed/root"  # the command line wins
 
 
@@ -88,3 +95,15 @@ def test_the_data_and_model_keys_a_resume_may_change_exist(tmp_path: Path) -> No
     assert "data.root" in task_keys and "model.compile" in task_keys
     for key in task_keys:
         assert OmegaConf.select(cfg, key, default="missing") != "missing", key
+
+
+def test_a_resume_may_move_the_data_and_compile_the_model_but_not_change_the_lr(
+    tmp_path: Path,
+) -> None:
+    job = ["data=fashion_mnist"]
+    cfg = compose_config("train", job, tmp_path)
+    saved = {"job": {"settings": settings_to_record(cfg, cfg.seed, None), "overrides": job}}
+    moved = [*job, "data.root=/elsewhere", "model.compile=true", "model.channels_last=true"]
+    check_same_job(saved, compose_config("train", moved, tmp_path), "last.ckpt")
+    with pytest.raises(CheckpointError, match=r"model.lr=0.002 \(here 0.1\)"):
+        check_same_job(saved, compose_config("train", [*job, "model.lr=0.1"], tmp_path), "x")

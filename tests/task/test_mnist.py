@@ -206,6 +206,15 @@ def test_download_unreachable_mirror(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_datasets_name_their_classes(tmp_path: Path) -> None:
+    make_dataset(tmp_path)
+    dm = make_module(tmp_path)
+    dm.setup("fit")
+    assert dm.num_classes == 10 and dm.classes[3] == "3"
+    fashion = DATASETS["fashion_mnist"].classes
+    assert len(fashion) == 10 and fashion[0] == "T-shirt/top"
+
+
 def test_loader_batches_are_normalised(tmp_path: Path) -> None:
     arrays = make_dataset(tmp_path)
     raw_images = torch.from_numpy(arrays["train-images-idx3-ubyte"])
