@@ -1,5 +1,6 @@
 """Ending early with real processes: stop signals, a killed rank, a killed launcher."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -110,7 +111,7 @@ def test_killed_launcher_takes_no_rank_with_it(job_factory) -> None:
     launcher.send_signal(signal.SIGKILL)
     rank1.wait(timeout=10)  # raises if rank 1 outlives its launcher by 10 s
     job.wait(timeout=10)
-    # How rank 1 went, whole on failure (once in CI under load it said neither; not reproduced).
+    # How rank 1 went: its watcher's line, or gloo's error in its traceback (whole on failure).
     said = "the launching process (rank 0" in job.stderr or "Connection" in job.stderr
     assert said, job.stderr[-4000:]
 
@@ -136,3 +137,29 @@ time.sleep(60)  # stuck
     assert proc.returncode == 1
     assert "rank 1 (pid" in proc.stderr and "was killed by SIGKILL" in proc.stderr
     assert "did not stop within 1 s" in proc.stderr
+
+
+LAUNCHER_GONE = """
+import io, os, sys, time
+from src.template.shutdown import LAUNCHER_PID_ENV, watch_launcher
+os.environ[LAUNCHER_PID_ENV] = "1"  # not this process's parent: its launcher is gone
+sys.stderr = io.StringIO()  # as torch's excepthook does while it formats a rank's traceback
+watch_launcher(0.01)
+time.sleep(30)
+"""
+
+
+def test_a_rank_says_its_launcher_is_gone_while_its_traceback_is_formatted() -> None:
+    """The rank's watcher writes its line to file descriptor 2 itself before it exits the
+    process: through ``sys.stderr`` it went into torch's buffer and was lost with the process
+    (test_killed_launcher_takes_no_rank_with_it failed so in CI, twice)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", LAUNCHER_GONE],
+        cwd=PROJECT,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "Error: the launching process (rank 0, pid 1) is gone; rank exiting" in proc.stderr

@@ -168,10 +168,8 @@ def watch_ranks(
                 return  # stopping on request, or finished: the main thread ends the job
         time.sleep(grace_s)
         dead = "; ".join(dead_ranks(procs, first_rank, trainer.default_root_dir))
-        print(
-            f"Error: {dead}. Rank 0 did not stop within {grace_s:g} s; ending the job.",
-            file=sys.stderr,
-            flush=True,
+        print_before_exit(
+            f"Error: {dead}. Rank 0 did not stop within {grace_s:g} s; ending the job."
         )
         for logger in trainer.loggers:
             logger.finalize("failed")
@@ -182,6 +180,13 @@ def watch_ranks(
     threading.Thread(target=watch, daemon=True, name="rank-watchdog").start()
 
 
+def print_before_exit(line: str) -> None:
+    """``line`` on the process's own stderr (file descriptor 2) at once, for a thread that exits
+    the process next: ``sys.stderr`` may be a buffer then (torch's excepthook swaps one in while
+    it formats a rank's traceback), and what went there would be lost with it."""
+    os.write(2, f"{line}\n".encode())
+
+
 def watch_launcher(every_s: float) -> None:
     """In a rank process started by the launcher: exit if the launcher disappears."""
     launcher = int(os.environ[LAUNCHER_PID_ENV])
@@ -189,10 +194,8 @@ def watch_launcher(every_s: float) -> None:
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(every_s)
-        print(
-            f"Error: the launching process (rank 0, pid {launcher}) is gone; rank exiting",
-            file=sys.stderr,
-            flush=True,
+        print_before_exit(
+            f"Error: the launching process (rank 0, pid {launcher}) is gone; rank exiting"
         )
         os._exit(1)
 
