@@ -8,10 +8,11 @@ import torch
 from omegaconf import OmegaConf
 
 from src.task import TASK
-from src.template.checkpoint import CheckpointError, check_same_job, settings_to_record
+from src.template.checkpoint import CheckpointError, check_same_job
 from tests.conftest import PROJECT
 from tests.image_data import make_image_folder
 from tests.shard_data import write_manifest
+from tests.test_checkpoint import saved_job
 from tests.test_config import ENTRY_CONFIGS, LOCAL_SETTINGS, compose_config, conf_copy, refusal
 from tests.test_readme import TASK_GROUPS, config_keys
 
@@ -101,8 +102,7 @@ def test_a_resume_may_move_the_data_and_compile_the_model_but_not_change_the_lr(
     tmp_path: Path,
 ) -> None:
     job = ["data=fashion_mnist"]
-    cfg = compose_config("train", job, tmp_path)
-    saved = {"job": {"settings": settings_to_record(cfg, cfg.seed, None), "overrides": job}}
+    saved = saved_job(job, tmp_path)
     moved = [*job, "data.root=/elsewhere", "model.compile=true", "model.channels_last=true"]
     check_same_job(saved, compose_config("train", moved, tmp_path), "last.ckpt")
     with pytest.raises(CheckpointError, match=r"model.lr=0.002 \(here 0.1\)"):
