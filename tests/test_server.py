@@ -148,6 +148,12 @@ def assert_a_checkpoint_goes_both_ways(
     loaded.unlink()
 
 
+def machine_name() -> str:
+    """The name the service takes by default (``hostname -f``), as clients here resolve it."""
+    name = subprocess.run(["hostname", "-f"], capture_output=True, text=True, check=True)
+    return name.stdout.strip()
+
+
 def host_check(port: int, host: str) -> str:
     """What the MLflow server (behind caddy, on 127.0.0.1:``port``) answers a request that names
     ``host``: its host check refuses names it does not serve (DNS rebinding)."""
@@ -263,21 +269,22 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
         service_data,
         **s3_server,
         MLFLOW_S3_ENDPOINT_URL=s3_server["AWS_ENDPOINT_URL"],
-        TRACKING_HOST="127.0.0.1",
         TRACKING_PORT=str(free_port()),
         TRACKING_ARTIFACTS="s3://team/mlflow",
         TRACKING_WORKERS="2",
         MLFLOW_AUTH_ADMIN_PASSWORD=ADMIN_PASSWORD,
-    )
+    )  # no TRACKING_HOST: the service takes this machine's name, as on a team's VM
     started = tracking(*on_page("bash server/tracking.sh start"), env=env).stdout
     url = re.search(r"logger\.tracking_uri=(https://\S+)", started)[1]
     cert = re.search(r"MLFLOW_TRACKING_SERVER_CERT_PATH=(\S+)", started)[1]
+    served = url.removeprefix("https://")
+    assert served == f"{machine_name()}:{env['TRACKING_PORT']}"
     settings = (service_data / "settings.env").read_text()
     server_port = int(re.search(r"^MLFLOW_PORT=(\d+)$", settings, re.M)[1])
-    for other in ("evil.example", "localhost"):  # MLflow's default list has localhost: replaced
+    # MLflow's default list (localhost, 127.0.0.1, private addresses) is replaced by the name
+    for other in ("evil.example", "localhost", "127.0.0.1", f"127.0.0.1:{env['TRACKING_PORT']}"):
         assert "DNS rebinding" in host_check(server_port, other), f"{other} is not served"
-    assert "DNS rebinding" not in host_check(server_port, url.removeprefix("https://"))
-    served = url.removeprefix("https://")
+    assert "DNS rebinding" not in host_check(server_port, served)
     assert cross_origin_write(server_port, served, "https://evil.example") == (
         403,
         "Cross-origin request blocked",
