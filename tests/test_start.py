@@ -39,10 +39,10 @@ def test_a_job_finished_when_its_job_json_says_so_not_when_lightning_ended_its_r
     last = str(folder / "checkpoints" / "last.ckpt")
     settings = JobSettings.from_config(cfg)
     # No job.json: the run's status says.
-    assert finished_job_run(saved, cfg, settings, last) == run_id
+    assert finished_job_run(saved, cfg.logger, settings, last) == run_id
     folder.mkdir()
     (folder / "job.json").write_text(json.dumps({"overrides": []}))
     # Killed before its result: it goes on.
-    assert finished_job_run(saved, cfg, settings, last) is None
+    assert finished_job_run(saved, cfg.logger, settings, last) is None
     (folder / "job.json").write_text(json.dumps({"overrides": [], "result": 0.9}))
-    assert finished_job_run(saved, cfg, settings, last) == run_id
+    assert finished_job_run(saved, cfg.logger, settings, last) == run_id

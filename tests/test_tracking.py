@@ -66,10 +66,10 @@ def test_logger_run_id_names_a_run_of_the_store(tmp_path: Path) -> None:
     run = client.create_run(client.get_experiment_by_name("mnist").experiment_id)
     named = [f"logger.tracking_uri={uri}", f"logger.run_id={run.info.run_id}"]
     cfg = compose_config("train", named, tmp_path)
-    assert run_to_continue(None, cfg, JobSettings.from_config(cfg)) == run.info.run_id
+    assert run_to_continue(None, cfg.logger, JobSettings.from_config(cfg)) == run.info.run_id
     unknown = compose_config("train", [f"logger.tracking_uri={uri}", "logger.run_id=0ff"], tmp_path)
     with pytest.raises(TrackingError, match="logger.run_id=0ff is not a run of sqlite:///"):
-        run_to_continue(None, unknown, JobSettings.from_config(unknown))
+        run_to_continue(None, unknown.logger, JobSettings.from_config(unknown))
 
 
 def test_jobs_starting_together_on_a_fresh_store_all_get_it(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ def where_to_start(cfg: DictConfig, settings: JobSettings, ran_before: bool) -> 
     checkpoint.check_strategy(ckpt_path, cfg.strategy.name)
     saved = checkpoint.read_checkpoint(ckpt_path, weights=False)  # its weights: fit loads them
     checkpoint.check_same_job(saved, cfg, ckpt_path)
-    finished_run = finished_job_run(saved, cfg, settings, ckpt_path)
+    finished_run = finished_job_run(saved, cfg.logger, settings, ckpt_path)
     folder = Path(ckpt_path).parent.parent
     if finished_run is not None and checkpoint.nothing_left_to_train(saved, cfg.trainer):
         say(
@@ -57,7 +57,7 @@ def where_to_start(cfg: DictConfig, settings: JobSettings, ran_before: bool) -> 
 
 
 def finished_job_run(
-    saved: dict, cfg: DictConfig, settings: JobSettings, ckpt_path: str
+    saved: dict, logger_cfg: DictConfig, settings: JobSettings, ckpt_path: str
 ) -> str | None:
     """If the checkpoint's job finished: its run's id ("" if unknown); else None (the job goes on
     in its own run). Its folder's job.json says (the result is written last); a folder without
@@ -67,7 +67,7 @@ def finished_job_run(
         if not sweeps.job_finished(folder):
             return None  # Lightning ends the run FINISHED after fit, before testing: not done
         return (saved.get("mlflow") or {}).get("run_id", "")
-    return run.finished_run(saved, cfg, settings)
+    return run.finished_run(saved, logger_cfg, settings)
 
 
 @rank_zero_only

@@ -41,7 +41,7 @@ class TrackedRun:
         """A new run, or the one the resumed checkpoint recorded into; a finished job trained on
         (lengthened) records into a new run that starts with the finished run's epochs."""
         if start.finished_run is None:
-            continue_run = run.run_to_continue(start.saved, cfg, settings, auto=start.auto)
+            continue_run = run.run_to_continue(start.saved, cfg.logger, settings, auto=start.auto)
             loggers = run.build_loggers(cfg, settings, continue_run=continue_run)
             return cls(cfg, settings, loggers)
         say(
@@ -66,16 +66,17 @@ class TrackedRun:
 
     def training_callbacks(self) -> list[Callback]:
         """The run's bookkeeping in checkpoints, and system metrics (one sampler per node)."""
-        return run.callbacks(self.loggers, self.cfg)
+        return run.callbacks(self.loggers, self.cfg.logger, self.settings.output_dir)
 
     @contextmanager
     def recording(self, trainer: L.Trainer) -> Iterator[None]:
         """Around the Trainer's work: stop signals handled, the config logged as params (and a
         lengthened job's history copied), the records sent; the run never left RUNNING."""
-        with run.sending(self.loggers, self.cfg), run_lifecycle(trainer):
+        send_timeout_s = self.cfg.logger.get("send_timeout_s", 0)
+        with run.sending(self.loggers, send_timeout_s), run_lifecycle(trainer):
             run.log_config(self.loggers, self.cfg, trainer)
             if self.history:
-                run.copy_history(self.loggers, self.cfg, *self.history)
+                run.copy_history(self.loggers, self.cfg.logger.tracking_uri, *self.history)
             yield
 
     def record_outcome(

@@ -133,22 +133,25 @@ def user_tags(logger: DictConfig, reserved: Sequence[str]) -> dict[str, str]:
 
 
 def run_to_continue(
-    saved: Mapping[str, Any] | None, cfg: DictConfig, settings: JobSettings, auto: bool = False
+    saved: Mapping[str, Any] | None,
+    logger_cfg: DictConfig,
+    settings: JobSettings,
+    auto: bool = False,
 ) -> str | None:
     """``logger.run_id`` (refused if not a run of the store); else a resumed job's checkpoint's
     run if it is in this store and ``logger.continue_run``; with ``ckpt_path=auto`` and no
     checkpoint yet, the run a job in this output folder opened (it stopped before one)."""
-    if cfg.logger.kind != "mlflow" or cfg.logger.get("offline"):
+    if logger_cfg.kind != "mlflow" or logger_cfg.get("offline"):
         return None  # an offline placeholder's run does not exist on the server yet
-    uri = cfg.logger.tracking_uri
-    named = cfg.logger.get("run_id")
+    uri = logger_cfg.tracking_uri
+    named = logger_cfg.get("run_id")
     opened = settings.output_dir / RUN_ID_FILE
     here = without_password(uri)
     if not named:
         source = (saved or {}).get("mlflow")
         if auto and not saved and opened.is_file():
             source = {"run_id": opened.read_text().strip(), "tracking_uri": here}
-        if not cfg.logger.get("continue_run", True) or (source or {}).get("tracking_uri") != here:
+        if not logger_cfg.get("continue_run", True) or (source or {}).get("tracking_uri") != here:
             return None
     run_id = str(named or source["run_id"])
     if not settings.opens_store:
@@ -170,12 +173,14 @@ def run_to_continue(
     return run_id
 
 
-def finished_run(saved: Mapping[str, Any], cfg: DictConfig, settings: JobSettings) -> str | None:
+def finished_run(
+    saved: Mapping[str, Any], logger_cfg: DictConfig, settings: JobSettings
+) -> str | None:
     """The checkpoint's MLflow run if it FINISHED, in this store, when the store answers (a
     finished run is never reopened: a lengthened job records into a new run)."""
     source = saved.get("mlflow") or {}
-    uri = cfg.logger.get("tracking_uri", "")
-    if cfg.logger.kind != "mlflow" or cfg.logger.get("offline") or not source:
+    uri = logger_cfg.get("tracking_uri", "")
+    if logger_cfg.kind != "mlflow" or logger_cfg.get("offline") or not source:
         return None
     if source.get("tracking_uri") != without_password(uri) or not settings.opens_store:
         return None
@@ -191,7 +196,7 @@ def finished_run(saved: Mapping[str, Any], cfg: DictConfig, settings: JobSetting
 
 
 @rank_zero_only
-def copy_history(loggers: list[Logger], cfg: DictConfig, old_run: str, before_step: int) -> None:
+def copy_history(loggers: list[Logger], tracking_uri: str, old_run: str, before_step: int) -> None:
     """A lengthened job's new run starts with its finished run's epochs (steps before
     ``before_step``; its test metrics, at the final epoch count, stay behind): the new run shows
     every epoch once, and the old run is left as it was."""
@@ -200,7 +205,7 @@ def copy_history(loggers: list[Logger], cfg: DictConfig, old_run: str, before_st
     logger = mlflow_logger(loggers)
     if logger is None or getattr(logger, "offline", False):
         return
-    source = MlflowClient(cfg.logger.tracking_uri)
+    source = MlflowClient(tracking_uri)
     points = [
         point
         for key in source.get_run(old_run).data.metrics
@@ -282,9 +287,10 @@ def log_params(logger: MLFlowLogger, params: Mapping[str, Any]) -> None:
 
 
 @contextmanager
-def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
+def sending(loggers: list[Logger], send_timeout_s: float) -> Iterator[None]:
     """Against a server, the run's records go through the outbox (SQLite is written directly);
-    at the end, wait up to ``logger.send_timeout_s`` for them, and close TensorBoard's file."""
+    at the end, wait up to ``send_timeout_s`` (``logger.send_timeout_s``) for them, and close
+    TensorBoard's file."""
     logger = mlflow_logger(loggers)
     outboxed = isinstance(logger, EpochMLFlowLogger) and not sqlite_file(logger.uri)
     if outboxed:
@@ -296,14 +302,14 @@ def sending(loggers: list[Logger], cfg: DictConfig) -> Iterator[None]:
             if isinstance(tensorboard, OneFileTensorBoardLogger):
                 tensorboard.close()
         if outboxed:
-            logger.stop_sending(cfg.logger.get("send_timeout_s", 0))
+            logger.stop_sending(send_timeout_s)
 
 
-def callbacks(loggers: list[Logger], cfg: DictConfig) -> list[Callback]:
+def callbacks(loggers: list[Logger], logger_cfg: DictConfig, output_dir: Path) -> list[Callback]:
     """On rank 0, the run's bookkeeping; on every rank, system metrics (one sampler per node)."""
     logger = mlflow_logger(loggers)
-    uri = cfg.logger.get("tracking_uri", "")
+    uri = logger_cfg.get("tracking_uri", "")
     found: list[Callback] = [RunBookkeeping(logger, uri)] if logger else []
-    if cfg.logger.kind == "mlflow" and cfg.logger.system_metrics_s and not cfg.logger.offline:
-        found.append(SystemMetrics(logger, cfg.logger, Path(cfg.paths.output_dir)))
+    if logger_cfg.kind == "mlflow" and logger_cfg.system_metrics_s and not logger_cfg.offline:
+        found.append(SystemMetrics(logger, logger_cfg, output_dir))
     return found
