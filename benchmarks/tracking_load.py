@@ -24,7 +24,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,28 +37,12 @@ from typing import Any
 
 import psutil
 
+from tests.local_servers import free_port, moto_s3, wait_for_port
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 SYSTEM_METRICS = ("system/cpu_utilization_percentage", "system/system_memory_usage_megabytes")
 JOB_METRICS = ("train/loss", "train/acc", "train/lr", "train/samples")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not start") from None
-            time.sleep(0.2)
 
 
 @contextmanager
@@ -67,35 +50,16 @@ def s3_endpoint() -> Iterator[tuple[dict[str, str], subprocess.Popen]]:
     """moto's S3 server with a bucket ``bench``, and the environment that reaches it."""
     import boto3
 
-    port = free_port()
-    moto = str(Path(sys.executable).parent / "moto_server")
-    proc = subprocess.Popen(
-        [moto, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "MLFLOW_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    try:
-        wait_for_port(port, proc, "moto's S3 server")
+    with moto_s3() as (env, proc):
+        env = {**env, "MLFLOW_S3_ENDPOINT_URL": env["AWS_ENDPOINT_URL"]}
         boto3.client(
             "s3",
             endpoint_url=env["AWS_ENDPOINT_URL"],
-            region_name="us-east-1",
-            aws_access_key_id="test",
-            aws_secret_access_key="test",
+            region_name=env["AWS_DEFAULT_REGION"],
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
         ).create_bucket(Bucket="bench")
         yield env, proc
-    finally:
-        os.killpg(proc.pid, signal.SIGCONT)  # if a fault left it stopped
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 class Service:

@@ -4,7 +4,6 @@ import json
 import os
 import re
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pytest
 
 from tests.forked_entry import ForkedEntry
 from tests.idx_data import make_dataset
+from tests.local_servers import free_port, moto_s3
 
 # torch's OpenMP threads wait for work by spinning. With several test jobs at once on 2 cores that
 # spin took a quarter to a third of each job's CPU time; waiting passively changes no result.
@@ -352,13 +352,6 @@ def trained(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"workdir": workdir, "run_dir": run_dir, "log": log, "tiny_root": tiny_root}
 
 
-def free_port() -> int:
-    """A port free now (the OS picks it); the server that takes it binds it moments later."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def local_server_argv(port: int, folder: Path) -> list[str]:
     """``mlflow server`` on 127.0.0.1:``port`` with its store and artifacts in ``folder``."""
     return [
@@ -539,33 +532,8 @@ def wait_for_job(job: str, timeout: float = 300) -> str:
 
 
 @pytest.fixture
-def s3_server(tmp_path: Path):
+def s3_server() -> Iterator[dict[str, str]]:
     """A local moto S3 server (started and stopped here) and the environment that points boto3
     and LitData at it."""
-    server = str(Path(sys.executable).parent / "moto_server")  # a dev dependency: moto[server]
-    port = free_port()
-    proc = subprocess.Popen(
-        [server, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "moto did not start"
-                time.sleep(0.1)
+    with moto_s3() as (env, _):
         yield env
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)

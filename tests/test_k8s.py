@@ -12,7 +12,8 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.conftest import PROJECT, assert_same_metrics, free_port, only_run, tiny_overrides
+from tests.conftest import PROJECT, assert_same_metrics, only_run, tiny_overrides
+from tests.local_servers import free_port
 from tests.test_distributed import launch_together
 
 MANIFEST = PROJECT / "k8s" / "train-jobset.yaml"

@@ -121,7 +121,7 @@ def test_rgb_images_with_each_network(net: str, images: Path, tmp_path: Path) ->
         rows = list(csv.DictReader(file))
     assert [int(row["index"]) for row in rows] == list(range(TEST_SAMPLES))
     for figure in ("confusion_matrix_test.png", "misclassified_test.png"):
-        assert Image.open(run / "figures" / figure).size[0] > 500  # colour: tests/test_reporting
+        assert Image.open(run / "figures" / figure).size[0] > 500  # colour: task/test_reporting
 
 
 def test_a_new_network_is_one_module_and_one_config(images: Path, tmp_path: Path) -> None:

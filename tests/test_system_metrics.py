@@ -103,7 +103,7 @@ def test_system_metrics_come_from_every_node(
     server_url: str, tiny_root: Path, tmp_path: Path
 ) -> None:
     """Two torchrun "nodes" on this host, one rank each, against a server: each node samples."""
-    from tests.conftest import free_port
+    from tests.local_servers import free_port
     from tests.test_distributed import launch_together
 
     port = free_port()
