@@ -219,6 +219,13 @@ def forked() -> Iterator[ForkedEntry]:
     entry.close()
 
 
+def one_error_line(stderr: str) -> str:
+    """The one ``Error:`` line of a refused job's stderr (and no traceback)."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    (line,) = [line for line in stderr.splitlines() if line.startswith("Error:")]
+    return line
+
+
 def run_entry(
     module: str,
     *overrides: str,

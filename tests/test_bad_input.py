@@ -195,7 +195,9 @@ def test_an_unreachable_tracking_server(tiny_root: Path, tmp_path: Path) -> None
     )
     assert proc.returncode == 1
     (line,) = (proc.stdout + proc.stderr).strip().splitlines()
-    assert line.startswith("Error: MLflow server http://127.0.0.1:9 is not reachable ("), line
+    assert line.startswith(
+        "Error: MLflow server http://127.0.0.1:9 is not reachable ([Errno 111] Connection refused)"
+    ), line
     assert line.endswith("or log locally with logger.tracking_uri=sqlite:///mlflow.db")
     assert list(tmp_path.iterdir()) == [], "nothing is left behind"
 

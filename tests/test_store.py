@@ -19,6 +19,7 @@ from src.template.tracking.store import (
     CERTIFICATE,
     CREDENTIALS,
     TrackingError,
+    cause,
     credentials_moved,
     credentials_to_environment,
     refusal,
@@ -28,6 +29,7 @@ from tests.conftest import (
     files_holding,
     local_server_argv,
     mlflow_server,
+    one_error_line,
     run_entry,
     tiny_overrides,
 )
@@ -109,12 +111,6 @@ def auth_server(tmp_path: Path) -> Iterator[str]:
             yield url
 
 
-def one_error_line(stderr: str) -> str:
-    assert "Traceback" not in stderr, stderr[-3000:]
-    (line,) = [line for line in stderr.splitlines() if line.startswith("Error:")]
-    return line
-
-
 @pytest.mark.slow
 def test_a_team_server_with_accounts_as_docs_mlflow_md_shows(
     auth_server: str, tiny_root: Path, tmp_path: Path
@@ -176,6 +172,53 @@ def test_an_untrusted_certificate_is_told_apart_from_an_unreachable_server() -> 
     assert "does not trust (self-signed certificate)" in line and CERTIFICATE in line
 
 
+def ssl_error(reason: str) -> MlflowException:
+    """MLflow's error for an HTTPS request whose TLS handshake failed with ``reason``."""
+    return MlflowException(
+        "API request to https://h:1/api/2.0/mlflow/experiments/get-by-name failed with exception "
+        "HTTPSConnectionPool(host='h', port=1): Max retries exceeded (Caused by SSLError("
+        f"SSLError(1, '{reason} (_ssl.c:1006)')))"
+    )
+
+
+def test_each_tls_failure_is_told_apart_from_an_unreachable_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain-HTTP server asked in HTTPS, a certificate or a TLS proxy for other names, and a
+    CA certificate path that is no file: each says so, not "not reachable"."""
+    plain = ssl_error("[SSL: WRONG_VERSION_NUMBER] wrong version number")
+    assert refusal("https://h:1", "mnist", plain) == (
+        "MLflow server https://h:1 answers only plain HTTP: use logger.tracking_uri=http://h:1"
+    )
+    other_names = "serves other names than h ({}): use the URL its admin gives you"
+    proxy = ssl_error("[SSL: TLSV1_ALERT_INTERNAL_ERROR] tlsv1 alert internal error")
+    assert other_names.format("tlsv1 alert internal error") in refusal("https://h:1", "m", proxy)
+    mismatch = ssl_error(
+        "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: Hostname mismatch, "
+        "certificate is not valid for 'h'."
+    )
+    words = other_names.format("Hostname mismatch, certificate is not valid for 'h'")
+    assert words in refusal("https://h:1", "m", mismatch)
+    monkeypatch.setenv(CERTIFICATE, str(tmp_path / "ca.crt"))
+    nowhere = MlflowException("Could not find a suitable TLS CA certificate bundle, invalid path")
+    assert refusal("https://h:1", "m", nowhere) == (
+        f"{CERTIFICATE}={tmp_path / 'ca.crt'} is not a file. Set it to the CA certificate the "
+        "server's admin gives you (docs/mlflow.md: A server with accounts)"
+    )
+
+
+def test_an_unreachable_server_says_the_innermost_cause() -> None:
+    refused = MlflowException(
+        "API request to http://h:1/api/2.0/mlflow/experiments/get-by-name failed with exception "
+        "HTTPConnectionPool(host='h', port=1): Max retries exceeded with url: /api/2.0/mlflow/"
+        'experiments/get-by-name?experiment_name=x (Caused by NewConnectionError("HTTPConnection'
+        "(host='h', port=1): Failed to establish a new connection: [Errno 111] Connection "
+        'refused"))'
+    )
+    assert cause(refused) == "[Errno 111] Connection refused"
+    assert cause(ValueError("first line\nsecond")) == "first line"
+
+
 @pytest.fixture
 def tls_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """``mlflow server`` serving HTTPS only (uvicorn's TLS options), with a self-signed
@@ -218,22 +261,29 @@ def tls_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 def test_a_tls_server_untrusted_or_asked_in_plain_http_ends_in_one_line(
     tls_server: tuple[str, Path], tiny_root: Path, tmp_path: Path
 ) -> None:
-    """Against an HTTPS-only server: its certificate not trusted, or its address given as
-    http://, each ends the job in one line naming the cause and the fix, with no output folder
-    and no run; with MLFLOW_TRACKING_SERVER_CERT_PATH set the job logs a FINISHED run."""
+    """Against an HTTPS-only server: its certificate not trusted, its address given as http://,
+    a name its certificate is not for, or a CA certificate path that is no file: each ends the
+    job in one line naming the cause and the fix, with no output folder and no run; with
+    MLFLOW_TRACKING_SERVER_CERT_PATH set the job logs a FINISHED run."""
     url, certificate = tls_server
     job = [*tiny_overrides(tiny_root, model=True), "trainer.max_epochs=1"]
     plain = url.replace("https://", "http://")
-    expected = {
-        url: f"does not trust (self-signed certificate). Set {CERTIFICATE}",
-        plain: f"answers only HTTPS: use logger.tracking_uri={url}",
-    }
-    for uri, words in expected.items():
-        proc = run_entry("train", *job, f"logger.tracking_uri={uri}", cwd=tmp_path, check=False)
+    by_name = url.replace("127.0.0.1", "localhost")  # the certificate is for 127.0.0.1 only
+    trusted = {CERTIFICATE: str(certificate)}
+    missing = {CERTIFICATE: str(tmp_path / "ca.crt")}
+    cases = [
+        (url, {}, f"does not trust (self-signed certificate). Set {CERTIFICATE}"),
+        (plain, {}, f"answers only HTTPS: use logger.tracking_uri={url}"),
+        (by_name, trusted, "serves other names than localhost (Hostname mismatch"),
+        (url, missing, f"{CERTIFICATE}={missing[CERTIFICATE]} is not a file"),
+    ]
+    for uri, env, words in cases:
+        proc = run_entry(
+            "train", *job, f"logger.tracking_uri={uri}", cwd=tmp_path, env=env, check=False
+        )
         assert proc.returncode == 1
         assert words in one_error_line(proc.stderr)
         assert not (tmp_path / "outputs").exists(), "no folder for a job that never started"
-    trusted = {CERTIFICATE: str(certificate)}
     run_entry("train", *job, f"logger.tracking_uri={url}", cwd=tmp_path, env=trusted)
     with pytest.MonkeyPatch.context() as env:
         env.setenv(CERTIFICATE, str(certificate))

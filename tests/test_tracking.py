@@ -32,6 +32,7 @@ from tests.conftest import (
     PROJECT,
     free_port,
     mlflow_server,
+    one_error_line,
     only_run,
     read_metrics,
     run_entry,
@@ -259,6 +260,19 @@ def test_training_against_a_real_mlflow_server(
     config = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path / "dl"))
     assert Path(config).read_text() == (run_dir / "config.yaml").read_text()
     assert read_metrics(run_dir)["test/acc"] == pytest.approx(run.data.metrics["test/acc"])
+    tls = server_url.replace("http://", "https://")
+    (tmp_path / "asked-in-https").mkdir()
+    asked = run_entry(
+        "train",
+        *tiny_overrides(tiny_root),
+        f"logger.tracking_uri={tls}",
+        cwd=tmp_path / "asked-in-https",
+        check=False,
+    )
+    assert one_error_line(asked.stderr) == (
+        f"Error: MLflow server {tls} answers only plain HTTP: use logger.tracking_uri={server_url}"
+    )
+    assert list((tmp_path / "asked-in-https").iterdir()) == [], "nothing is left behind"
 
 
 @pytest.mark.slow

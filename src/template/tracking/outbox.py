@@ -290,7 +290,7 @@ def finish(
     folder = outbox.path.parent
     if pending:
         last_error = sender.last_error if sender else None
-        error = first_line(last_error) if last_error else "no answer yet"
+        error = first_line(last_error) if last_error else "a request still unanswered or retried"
         say = (
             f"logger.offline=true: {pending} MLflow record(s) wait in {folder}"
             if offline

@@ -30,6 +30,10 @@ CERTIFICATE = "MLFLOW_TRACKING_SERVER_CERT_PATH"
 UNTRUSTED_CERTIFICATE = re.compile(
     r"CERTIFICATE_VERIFY_FAILED\] certificate verify failed: ([^(]+)"
 )
+# OpenSSL's words for any other TLS failure: its code and reason.
+TLS_FAILURE = re.compile(r"\[SSL: (\w+)\] ([^'\"(]+)")
+# The innermost cause of a network error, in the words of requests and urllib3.
+ERRNO = re.compile(r"\[Errno -?\d+\] [^'\"()]+")
 # Whether a server answers, in seconds rather than after MLflow's minutes of retries.
 FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 
@@ -66,7 +70,7 @@ def prepare_store(tracking_uri: str, experiment_name: str) -> None:
             with environment(**FAIL_FAST):
                 open_experiment(tracking_uri, experiment_name)
     except Exception as error:
-        reason = first_line(error, 200)
+        reason = cause(error)
         if refused := refusal(tracking_uri, experiment_name, error):
             raise TrackingError(refused) from error
         raise TrackingError(
@@ -85,12 +89,8 @@ def refusal(tracking_uri: str, experiment_name: str, error: Exception) -> str | 
     may present a certificate this machine does not trust, or be asked in plain HTTP."""
     status = http_status(error)
     server = mask_text(tracking_uri)
-    if untrusted := UNTRUSTED_CERTIFICATE.search(str(error)):
-        return (
-            f"MLflow server {server} presented a certificate this machine does not trust "
-            f"({untrusted.group(1).strip()}). Set {CERTIFICATE} to the CA certificate its admin "
-            "gives you (docs/mlflow.md: A server with accounts)"
-        )
+    if tracking_uri.startswith("https://") and (refused := tls_refusal(tracking_uri, str(error))):
+        return refused
     if tracking_uri.startswith("http://") and speaks_tls(tracking_uri):
         https = "https://" + without_password(tracking_uri).removeprefix("http://")
         return f"MLflow server {server} answers only HTTPS: use logger.tracking_uri={https}"
@@ -107,6 +107,47 @@ def refusal(tracking_uri: str, experiment_name: str, error: Exception) -> str | 
             "experiment of your own: logger.experiment_name=<a new name>"
         )
     return None
+
+
+def tls_refusal(tracking_uri: str, error: str) -> str | None:
+    """Why an HTTPS connection failed, when TLS is the cause (None otherwise): the CA certificate
+    missing or not trusted, a certificate or a proxy for other names, a plain-HTTP server."""
+    server = mask_text(tracking_uri)
+    certificate = os.environ.get(CERTIFICATE)
+    if certificate and not Path(certificate).is_file():
+        return (
+            f"{CERTIFICATE}={certificate} is not a file. Set it to the CA certificate the "
+            "server's admin gives you (docs/mlflow.md: A server with accounts)"
+        )
+    untrusted = UNTRUSTED_CERTIFICATE.search(error)
+    failed = TLS_FAILURE.search(error)
+    if untrusted and "mismatch" not in untrusted.group(1):
+        return (
+            f"MLflow server {server} presented a certificate this machine does not trust "
+            f"({untrusted.group(1).strip()}). Set {CERTIFICATE} to the CA certificate its admin "
+            "gives you (docs/mlflow.md: A server with accounts)"
+        )
+    if failed and failed.group(1) == "WRONG_VERSION_NUMBER":
+        http = "http://" + without_password(tracking_uri).removeprefix("https://")
+        return f"MLflow server {server} answers only plain HTTP: use logger.tracking_uri={http}"
+    if untrusted:  # a certificate for other names ("Hostname mismatch, ...")
+        reason = untrusted.group(1)
+    elif failed:  # a TLS proxy with no site for the name ("tlsv1 alert internal error")
+        reason = failed.group(2)
+    else:
+        return None
+    host = urllib.parse.urlsplit(tracking_uri).hostname
+    return (
+        f"MLflow server {server} serves other names than {host} ({reason.strip().rstrip('.')}): "
+        "use the URL its admin gives you, with the name its certificate is for"
+    )
+
+
+def cause(error: BaseException) -> str:
+    """A store's error in one line: for a network error its innermost cause
+    ("[Errno 111] Connection refused"), not the retries and URL wrapped around it."""
+    found = ERRNO.findall(str(error))
+    return found[-1].strip() if found else first_line(error, 200)
 
 
 def http_status(error: BaseException | None) -> int | None:
