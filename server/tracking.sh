@@ -7,7 +7,9 @@
 #   bash server/tracking.sh stop           # stop all of it (the data stays)
 #   bash server/tracking.sh status         # each part: RUNNING, its pid, its uptime
 #   bash server/tracking.sh add-user NAME  # an account; prints its password once
+#   bash server/tracking.sh grant NAME EXPERIMENT [READ|EDIT|MANAGE]  # rights on another's (EDIT)
 #   bash server/tracking.sh backup FOLDER  # both databases, pg_dump's custom format
+#   bash server/tracking.sh restore FOLDER # a backup into this service (replacing what it holds)
 #   bash server/tracking.sh upgrade        # after a new MLflow: migrate the database, restart
 #   bash server/tracking.sh run            # start in the foreground (server/mlflow-tracking.service)
 #
@@ -22,6 +24,7 @@
 #   MLFLOW_AUTH_ADMIN_PASSWORD  the admin's password (12+ characters); needed by the first start
 #                       and by add-user; never written to a file
 #   TRACKING_USER_PASSWORD  add-user: the new account's password (default: a random one)
+#   MLFLOW_AUTH_ADMIN_PASSWORD  also for grant, which signs in as the admin
 set -euo pipefail
 
 SERVER_DIR=$(cd "$(dirname "$0")" && pwd)
@@ -70,6 +73,7 @@ create() {
     [ -n "${TRACKING_ARTIFACTS:-}" ] || die "TRACKING_ARTIFACTS is not set: set it to the bucket the server keeps artifacts in, e.g. TRACKING_ARTIFACTS=s3://team-bucket/mlflow"
     local admin_password=${MLFLOW_AUTH_ADMIN_PASSWORD:-}
     [ "${#admin_password}" -ge 12 ] || die "MLFLOW_AUTH_ADMIN_PASSWORD is not set or under 12 characters: set the admin's password in the environment of the first start (it is never written to a file)"
+    check_bucket_credentials "$TRACKING_ARTIFACTS"
     mkdir -p "$DATA/logs"
     chmod 711 "$DATA" # PostgreSQL's user may pass through to its own folders, not list the rest
     as_pg_user test -x "$DATA" || die "user $(pg_user) cannot reach $DATA (PostgreSQL runs as it): choose a TRACKING_DATA whose parent folders it may enter (chmod o+x)"
@@ -102,12 +106,38 @@ render() {
     printf '%s\n' "$database" >"$DATA/database-uri"
 }
 
+# The server writes artifacts with the credentials of the environment it starts in: started
+# without them it would serve, then answer every upload with HTTP 500.
+check_bucket_credentials() {
+    case "$1" in s3://*) ;; *) return 0 ;; esac
+    python -c 'import sys, boto3; sys.exit(boto3.Session().get_credentials() is None)' \
+        || die "no credentials for the bucket of $1 in this environment: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or give the VM a role), and MLFLOW_S3_ENDPOINT_URL for an S3-compatible store, as at the first start"
+}
+
+# A setting given again after the first start is not applied: say so, once each.
+say_kept_settings() {
+    local name given kept
+    for name in HOST PORT WORKERS ARTIFACTS; do
+        given=$(printenv "TRACKING_$name" || true)
+        kept=${!name}
+        if [ -n "$given" ] && [ "$given" != "$kept" ]; then
+            echo "Note: TRACKING_$name=$given is not applied: this service keeps $kept from its first start (to change it: stop, edit $DATA/settings.env, start)." >&2
+        fi
+    done
+}
+
 prepare() {
     [ -x "$PG_BIN/postgres" ] || die "PostgreSQL is not installed: apt-get install postgresql (or set PG_BIN to the folder of its postgres program)"
     command -v caddy >/dev/null || die "caddy is not installed: apt-get install caddy"
     command -v supervisord >/dev/null || die "supervisord is not on PATH: pip install -e '.[server]' -c constraints.txt in the environment on PATH"
-    if [ ! -f "$DATA/settings.env" ]; then create; fi
-    load_settings
+    if [ -f "$DATA/settings.env" ]; then
+        load_settings
+        say_kept_settings
+        check_bucket_credentials "$ARTIFACTS"
+    else
+        create
+        load_settings
+    fi
     render
 }
 
@@ -200,20 +230,75 @@ try:
 except MlflowException as error:
     sys.exit(f"Error: the server refused the account: {error.message.splitlines()[0]}")
 PY
-    echo "Account $name created on https://$HOST:$PORT (it may read others' experiments, not write them)."
+    echo "Account $name created on https://$HOST:$PORT (it may create experiments of its own and read others'; to write into another's: grant)."
     if [ -z "${TRACKING_USER_PASSWORD:-}" ]; then echo "Its password (shown once, give it to $name): $password"; fi
 }
 
-# Both databases (runs, accounts) while the service runs, for pg_restore.
+# An account's rights on an experiment it does not own, as the admin (MLflow's REST API:
+# a permission already given is replaced).
+grant() {
+    local name=$1 experiment=$2 permission=${3:-EDIT}
+    [ -n "$name" ] && [ -n "$experiment" ] || die "grant needs an account and an experiment: bash server/tracking.sh grant NAME EXPERIMENT [READ|EDIT|MANAGE]"
+    case "$permission" in READ | EDIT | MANAGE) ;; *) die "grant: $permission is not a permission: READ, EDIT (write runs) or MANAGE (also grant)" ;; esac
+    load_settings
+    [ -n "${MLFLOW_AUTH_ADMIN_PASSWORD:-}" ] || die "MLFLOW_AUTH_ADMIN_PASSWORD is not set: grant signs in as the admin; set it in the environment"
+    MLFLOW_TRACKING_USERNAME=admin MLFLOW_TRACKING_PASSWORD=$MLFLOW_AUTH_ADMIN_PASSWORD \
+        MLFLOW_TRACKING_SERVER_CERT_PATH=$CA_CERT TRACKING_URL="https://$HOST:$PORT" \
+        ACCOUNT=$name EXPERIMENT=$experiment PERMISSION=$permission python -W ignore - <<'PY' || exit 1
+import contextlib
+import os
+import sys
+
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+from mlflow.server.auth.client import AuthServiceClient
+
+url, name = os.environ["TRACKING_URL"], os.environ["EXPERIMENT"]
+try:
+    found = MlflowClient(url).get_experiment_by_name(name)
+    if found is None:
+        sys.exit(f"Error: {url} has no experiment {name}: give the name jobs log into")
+    accounts = AuthServiceClient(url)
+    account, experiment_id = os.environ["ACCOUNT"], found.experiment_id
+    with contextlib.suppress(MlflowException):  # none given yet
+        accounts.revoke_user_permission(account, "experiment", experiment_id)
+    accounts.grant_user_permission(account, "experiment", experiment_id, os.environ["PERMISSION"])
+except MlflowException as error:
+    sys.exit(f"Error: the server refused the grant: {error.message.splitlines()[0]}")
+PY
+    echo "$name has $permission on experiment $experiment of https://$HOST:$PORT."
+}
+
+# Both databases (runs, accounts) while the service runs, for `restore`. The accounts' dump
+# holds password hashes: the files are the owner's only.
 backup() {
     local folder=$1
     [ -n "$folder" ] || die "backup needs a folder: bash server/tracking.sh backup FOLDER"
     load_settings
-    mkdir -p "$folder"
+    (umask 077 && mkdir -p "$folder")
     for database in mlflow mlflow_auth; do
-        "$PG_BIN/pg_dump" -h "$DATA/postgres-socket" -U postgres -Fc -f "$folder/$database.dump" "$database"
+        (umask 077 && "$PG_BIN/pg_dump" -h "$DATA/postgres-socket" -U postgres -Fc -f "$folder/$database.dump" "$database")
     done
     echo "Backed up to $folder/mlflow.dump and $folder/mlflow_auth.dump (the artifacts are in $ARTIFACTS)."
+}
+
+# A backup into this running service (a new VM: start, then restore): both databases replaced,
+# with the MLflow server stopped meanwhile so that no request sees half of them.
+restore() {
+    local folder=$1
+    [ -n "$folder" ] || die "restore needs the folder of a backup: bash server/tracking.sh restore FOLDER"
+    [ -f "$folder/mlflow.dump" ] && [ -f "$folder/mlflow_auth.dump" ] || die "$folder holds no backup (mlflow.dump and mlflow_auth.dump): give the folder 'backup' wrote"
+    load_settings
+    supervisorctl -c "$SUPERVISOR_CONF" status postgres >/dev/null 2>&1 || die "the service is not running: bash server/tracking.sh start, then restore"
+    supervisorctl -c "$SUPERVISOR_CONF" stop mlflow >/dev/null
+    for database in mlflow mlflow_auth; do
+        "$PG_BIN/pg_restore" -h "$DATA/postgres-socket" -U postgres --clean --if-exists \
+            --single-transaction -d "$database" "$folder/$database.dump" \
+            || die "restoring $database failed (above); the server stays stopped: fix the cause and run restore again"
+    done
+    supervisorctl -c "$SUPERVISOR_CONF" start mlflow >/dev/null || die "the server did not start: see $DATA/logs/mlflow.log"
+    wait_until_up
+    echo "Restored $folder into https://$HOST:$PORT (the accounts and passwords are the backup's)."
 }
 
 # After installing a new MLflow: its schema migrations on the runs database (the accounts
@@ -234,9 +319,11 @@ start) start ;;
 stop) stop ;;
 status) load_settings && supervisorctl -c "$SUPERVISOR_CONF" status ;;
 add-user) add_user "${2:-}" ;;
+grant) grant "${2:-}" "${3:-}" "${4:-}" ;;
 backup) backup "${2:-}" ;;
+restore) restore "${2:-}" ;;
 upgrade) upgrade ;;
 run) prepare && exec supervisord -n -c "$SUPERVISOR_CONF" ;;
 serve-mlflow) serve_mlflow ;;
-*) die "usage: bash server/tracking.sh start|stop|status|add-user NAME|backup FOLDER|upgrade|run" ;;
+*) die "usage: bash server/tracking.sh start|stop|status|add-user NAME|grant NAME EXPERIMENT|backup FOLDER|restore FOLDER|upgrade|run" ;;
 esac

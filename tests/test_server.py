@@ -24,7 +24,7 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from tests.conftest import PROJECT, files_holding, run_entry, tiny_overrides
+from tests.conftest import PROJECT, files_holding, one_error_line, run_entry, tiny_overrides
 from tests.test_readme import arguments, override, shown
 
 SCRIPT = PROJECT / "server" / "tracking.sh"
@@ -183,6 +183,40 @@ def cross_origin_write(port: int, host: str, origin: str) -> tuple[int, str]:
         return error.code, error.read().decode()
 
 
+def assert_a_restore_brings_back_the_backup(
+    client: MlflowClient, env: dict[str, str], tmp_path: Path, run_id: str
+) -> None:
+    """What changed after the backup (an experiment, an account) is gone after ``restore``; the
+    backed-up run is there, and the service answers again."""
+    client.create_experiment("after-the-backup")
+    tracking("add-user", "carl", env={**env, "TRACKING_USER_PASSWORD": BOB_PASSWORD})
+    restore = on_page("bash server/tracking.sh restore mlflow-backup")
+    assert "Restored" in tracking(*restore, env=env, cwd=tmp_path).stdout
+    assert client.get_experiment_by_name("after-the-backup") is None
+    assert client.get_run(run_id).info.status == "FINISHED"
+    carl = {**env, "TRACKING_USER_PASSWORD": BOB_PASSWORD}
+    assert "created" in tracking("add-user", "carl", env=carl).stdout, "carl is gone: made anew"
+
+
+def assert_a_start_without_the_buckets_credentials_is_refused(
+    env: dict[str, str], data: Path
+) -> None:
+    """A start in a shell without the bucket's credentials is refused before anything runs (the
+    server would answer each upload with HTTP 500); a setting given again is said not applied."""
+    bare = {name: value for name, value in env.items() if not name.startswith("AWS_")}
+    proc = tracking("start", env={**bare, "TRACKING_PORT": "1"}, check=False)
+    assert proc.returncode == 1
+    kept = env["TRACKING_PORT"]
+    assert proc.stderr.splitlines() == [
+        f"Note: TRACKING_PORT=1 is not applied: this service keeps {kept} from its first start "
+        f"(to change it: stop, edit {data}/settings.env, start).",
+        "Error: no credentials for the bucket of s3://team/mlflow in this environment: set "
+        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or give the VM a role), and "
+        "MLFLOW_S3_ENDPOINT_URL for an S3-compatible store, as at the first start",
+    ]
+    assert not (data / "supervisor.sock").exists(), "nothing was started"
+
+
 def answers(url: str, cert: str) -> bool:
     """Whether the service answers ``/health`` through TLS, checked against ``cert`` (a
     certificate caddy is still writing is not one yet: ssl.SSLError is an OSError)."""
@@ -258,11 +292,13 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The page's commands: one start brings up the whole service; an account made by add-user
-    logs a job over TLS with its artifacts proxied into the bucket (the job has no bucket
-    credentials) and no password in its files; another account reads that run and may not write
-    into its experiment; a SIGKILLed mlflow server is restarted by supervisord; backup, upgrade;
-    stop leaves nothing running; the systemd unit's command serves the same data until SIGTERM."""
+    """The page's commands: one start brings up the whole service under the machine's name; an
+    account made by add-user logs a job over TLS with its artifacts proxied into the bucket (the
+    job has no bucket credentials) and no password in its files; another account reads that run
+    and may not write into its experiment until the admin grants it; a SIGKILLed mlflow server is
+    restarted by supervisord; backup, restore, upgrade; stop leaves nothing running, and a start
+    without the bucket's credentials is refused; the systemd unit's command serves the same data
+    until SIGTERM."""
     s3 = boto3.client("s3", **BUCKET_LOGIN, endpoint_url=s3_server["AWS_ENDPOINT_URL"])
     s3.create_bucket(Bucket="team")
     env = service_env(
@@ -302,6 +338,13 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     }
     typed = [arg.replace(override(tokens, "logger.tracking_uri"), url) for arg in arguments(tokens)]
     job = [*tiny_overrides(tiny_root, model=True), "trainer.max_epochs=1", "hydra.run.dir=run"]
+    elsewhere = url.replace(machine_name(), "localhost")  # caddy serves no site for that name
+    asked = f"logger.tracking_uri={elsewhere}"
+    refused = run_entry("train", *job, asked, cwd=tmp_path, env=login, check=False)
+    assert "serves other names than localhost (tlsv1 alert internal error)" in one_error_line(
+        refused.stderr
+    )
+    assert not (tmp_path / "run").exists(), "no folder for a job that never started"
     run_entry("train", *typed, *job, cwd=tmp_path, env=login)
     assert files_holding(password, tmp_path / "run") == []
     assert files_holding(ADMIN_PASSWORD, service_data, max_size=10**7) == []
@@ -324,6 +367,9 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     with pytest.raises(MlflowException) as denied:
         client.create_run(run.info.experiment_id)
     assert denied.value.error_code == "PERMISSION_DENIED", "and writes none into her experiment"
+    granted = tracking(*on_page("bash server/tracking.sh grant bob mnist"), env=env).stdout
+    assert "bob has EDIT on experiment mnist" in granted
+    client.set_terminated(client.create_run(run.info.experiment_id).info.run_id)  # bob's, now
     for name, value in login.items():
         monkeypatch.setenv(name, value)
 
@@ -346,7 +392,10 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     backup = on_page("bash server/tracking.sh backup mlflow-backup")
     tracking(*backup, env=env, cwd=tmp_path)
     for database in ("mlflow", "mlflow_auth"):
-        assert (tmp_path / "mlflow-backup" / f"{database}.dump").stat().st_size > 1000
+        dump = tmp_path / "mlflow-backup" / f"{database}.dump"
+        assert dump.stat().st_size > 1000
+        assert dump.stat().st_mode & 0o777 == 0o600, "the accounts' hashes are the owner's only"
+    assert_a_restore_brings_back_the_backup(client, env, tmp_path, run.info.run_id)
     assert "Upgraded" in tracking(*on_page("bash server/tracking.sh upgrade"), env=env).stdout
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
 
@@ -354,6 +403,7 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     assert len(running) >= 5  # supervisord, postgres and its workers, mlflow and uvicorn, caddy
     assert "Stopped" in tracking(*on_page("bash server/tracking.sh stop"), env=env).stdout
     assert not [p for p in running if alive(p)], "stop left processes running"
+    assert_a_start_without_the_buckets_credentials_is_refused(env, service_data)
 
     unit_env = {name: value for name, value in env.items() if name != "MLFLOW_AUTH_ADMIN_PASSWORD"}
     assert_the_units_command_serves_until_sigterm(unit_env, url, cert)
