@@ -88,7 +88,8 @@ def test_group_option_composes_and_builds(name: str, override: str, tmp_path: Pa
     datamodule = TASK.datamodule_class(cfg.data.name)(**data)
     TASK.build_model(model_cfg, datamodule)
     fitting = name == "train"
-    callbacks = build_callbacks(cfg, (TASK.monitor, TASK.mode) if fitting else None)
+    monitor = (TASK.monitor, TASK.mode) if fitting else None
+    callbacks = build_callbacks(cfg.callbacks, Path(cfg.paths.output_dir), monitor)
     settings = JobSettings.from_config(cfg)
     trainer = build_trainer(cfg, settings, build_loggers(cfg, settings), callbacks, fitting=fitting)
     assert trainer.world_size == cfg.devices * cfg.num_nodes

@@ -24,7 +24,7 @@ def test_errors_fail_the_run_and_interrupts_kill_it(tmp_path: Path) -> None:
     cfg = compose_config("train", ["model.lr=0.5"], tmp_path)
     client = MlflowClient(cfg.logger.tracking_uri)
     for error, status in ((RuntimeError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED")):
-        callbacks = build_callbacks(cfg, monitor=None)
+        callbacks = build_callbacks(cfg.callbacks, Path(cfg.paths.output_dir), monitor=None)
         settings = JobSettings.from_config(cfg)
         trainer = build_trainer(
             cfg, settings, build_loggers(cfg, settings), callbacks, fitting=False

@@ -78,7 +78,9 @@ def test_callbacks_and_loggers_come_from_config(tmp_path: Path) -> None:
         ],
         tmp_path,
     )
-    callbacks = build_callbacks(cfg, monitor=(TASK.monitor, TASK.mode))
+    callbacks = build_callbacks(
+        cfg.callbacks, Path(cfg.paths.output_dir), monitor=(TASK.monitor, TASK.mode)
+    )
     (stopping,) = [c for c in callbacks if isinstance(c, EarlyStopping)]
     assert stopping.monitor == "val/loss" and stopping.patience == 3
     mlflow, csv = build_loggers(cfg, JobSettings.from_config(cfg))

@@ -126,7 +126,7 @@ class TrainingJob:
             )
         recorded = checkpoint.settings_to_record(cfg, self.seed, self.start.saved)
         callbacks: list[Callback] = [
-            *build_callbacks(cfg, monitor=(self.task.monitor, self.task.mode)),
+            *build_callbacks(cfg.callbacks, out, monitor=(self.task.monitor, self.task.mode)),
             SeedEachBatch(self.seed),
             *run.training_callbacks(),
             checkpoint.JobRecord(recorded, checkpoint.job_overrides()),
@@ -222,7 +222,8 @@ class CheckpointJob:
 
     def eval_trainer(self, loggers: list[Logger], callbacks: Sequence[Callback] = ()) -> L.Trainer:
         """The Trainer with the template's callbacks and ``callbacks``."""
-        callbacks = [*build_callbacks(self.cfg, monitor=None), *callbacks]
+        template = build_callbacks(self.cfg.callbacks, self.output_dir, monitor=None)
+        callbacks = [*template, *callbacks]
         return build_trainer(self.cfg, self.settings, loggers, callbacks, fitting=False)
 
     def attach_to_source_run(self, path: Path, folder: str) -> None:

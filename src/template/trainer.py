@@ -73,21 +73,24 @@ def check_settings(cfg: DictConfig, fitting: bool) -> JobSettings:
     return settings
 
 
-def build_callbacks(cfg: DictConfig, monitor: tuple[str, str] | None) -> list[Callback]:
-    """Rank setup log, stop on signal, progress bar and ``callbacks.extra`` (any callback by
-    ``_target_``); when training (``monitor``: metric and mode) checkpoints and model summary."""
+def build_callbacks(
+    callbacks_cfg: DictConfig, output_dir: Path, monitor: tuple[str, str] | None
+) -> list[Callback]:
+    """From the ``callbacks`` section: rank setup log, stop on signal, progress bar and
+    ``callbacks.extra`` (any callback by ``_target_``); when training (``monitor``: metric and
+    mode) checkpoints and model summary in ``output_dir``."""
     callbacks: list[Callback] = [
         LogRankSetup(monitor[0] if monitor else ""),
-        StopOnSignal(cfg.callbacks.stop_check_every_n_steps),
+        StopOnSignal(callbacks_cfg.stop_check_every_n_steps),
     ]
-    bar = {"rich": RichBar, "tqdm": TqdmBar}.get(cfg.callbacks.progress_bar)
+    bar = {"rich": RichBar, "tqdm": TqdmBar}.get(callbacks_cfg.progress_bar)
     callbacks += [bar()] if bar else []
     with as_config_error("callbacks.extra"):
-        callbacks += [instantiate(spec) for spec in cfg.callbacks.get("extra", {}).values()]
+        callbacks += [instantiate(spec) for spec in callbacks_cfg.get("extra", {}).values()]
     if monitor is None:
         return callbacks
     metric, mode = monitor
-    ckpt_dir = Path(cfg.paths.output_dir) / "checkpoints"
+    ckpt_dir = output_dir / "checkpoints"
     silence_resume_warning()
     # Both save at train-epoch end (after validation); last.ckpt also mid-epoch (see resume.py).
     # The metric is named by hand: its "/" would make folders (val/acc -> acc0.9176).
@@ -97,13 +100,13 @@ def build_callbacks(cfg: DictConfig, monitor: tuple[str, str] | None) -> list[Ca
         auto_insert_metric_name=False,
         monitor=metric,
         mode=mode,
-        save_top_k=cfg.callbacks.checkpoint.save_top_k,
+        save_top_k=callbacks_cfg.checkpoint.save_top_k,
         save_on_train_epoch_end=True,
     )
-    every = cfg.callbacks.checkpoint.every_n_train_steps
+    every = callbacks_cfg.checkpoint.every_n_train_steps
     last = LastCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every)
     summary = ModelSummaryFile(
-        ckpt_dir.parent / "model_summary.txt", cfg.callbacks.model_summary_depth
+        ckpt_dir.parent / "model_summary.txt", callbacks_cfg.model_summary_depth
     )
     return [*callbacks, best, last, MidEpochState(), summary]
 
