@@ -76,7 +76,8 @@ class TrackedRun:
         with run.sending(self.loggers, send_timeout_s), run_lifecycle(trainer):
             run.log_config(self.loggers, self.cfg, trainer)
             if self.history:
-                run.copy_history(self.loggers, self.cfg.logger.tracking_uri, *self.history)
+                uri = self.cfg.logger.get("tracking_uri", "")  # none for logger=csv
+                run.copy_history(self.loggers, uri, *self.history)
             yield
 
     def record_outcome(
