@@ -301,10 +301,14 @@ def test_a_preempted_slurm_sweep_job_resumes_from_its_checkpoint(
     logs = "".join(p.read_text() for p in (folder / ".submitit" / job).glob("*_log.*"))
     assert "Restored all states from the checkpoint" in logs, "resumed, not started over"
     # The ranks stopped at a step with its checkpoint first; then submitit requeued the job
-    # (its own handler alone would requeue at once, losing the steps since the last checkpoint).
+    # (its own handler alone would requeue at once, losing the steps since the last checkpoint),
+    # which started again. Not submitit's "Requeued job" line: it is written once `scontrol
+    # requeue` returns, and SLURM may end the requeued job's processes before that.
     log = (folder / "0" / "train.log").read_text()
     stopping = log.find("SIGUSR2 received: stopping after the current training step")
-    assert -1 < stopping < log.find("this job is preempted") < log.find("Requeued job"), log
+    preempted = log.find("this job is preempted")
+    started_again = log.find("rank 0/2 (node 0, local 0) fit:", preempted)
+    assert -1 < stopping < preempted < started_again, log
     assert_same_metrics(folder / "0", read_metrics(reference / "run"))
     (run,) = mlflow_runs(tmp_path / "mlflow.db")
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
