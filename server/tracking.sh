@@ -21,10 +21,9 @@
 #   MLFLOW_S3_ENDPOINT_URL, AWS_*: the bucket's endpoint and credentials, for the server only
 #   TRACKING_WORKERS    mlflow server worker processes (4)
 #   PG_BIN              the folder of PostgreSQL's programs (Debian's newest)
-#   MLFLOW_AUTH_ADMIN_PASSWORD  the admin's password (12+ characters); needed by the first start
-#                       and by add-user; never written to a file
+#   MLFLOW_AUTH_ADMIN_PASSWORD  the admin's password (12+ characters); needed by the first start,
+#                       add-user and grant; never written to a file
 #   TRACKING_USER_PASSWORD  add-user: the new account's password (default: a random one)
-#   MLFLOW_AUTH_ADMIN_PASSWORD  also for grant, which signs in as the admin
 set -euo pipefail
 
 SERVER_DIR=$(cd "$(dirname "$0")" && pwd)
@@ -207,16 +206,22 @@ stop() {
     echo "Stopped (the data stays in $DATA)."
 }
 
+# The Python program on standard input, signed in to the service as the admin (for COMMAND,
+# which the refusal names). Passwords travel in the environment, never on a command line (ps
+# shows those).
+as_admin() {
+    [ -n "${MLFLOW_AUTH_ADMIN_PASSWORD:-}" ] || die "MLFLOW_AUTH_ADMIN_PASSWORD is not set: $1 signs in as the admin; set it in the environment"
+    MLFLOW_TRACKING_USERNAME=admin MLFLOW_TRACKING_PASSWORD=$MLFLOW_AUTH_ADMIN_PASSWORD \
+        MLFLOW_TRACKING_SERVER_CERT_PATH=$CA_CERT TRACKING_URL="https://$HOST:$PORT" \
+        python -W ignore -
+}
+
 add_user() {
     local name=$1
     [ -n "$name" ] || die "add-user needs the account's name: bash server/tracking.sh add-user NAME"
     load_settings
-    [ -n "${MLFLOW_AUTH_ADMIN_PASSWORD:-}" ] || die "MLFLOW_AUTH_ADMIN_PASSWORD is not set: add-user signs in as the admin; set it in the environment"
     local password=${TRACKING_USER_PASSWORD:-$(python -c 'import secrets; print(secrets.token_urlsafe(18))')}
-    # Passwords travel in the environment, never on a command line (ps shows those).
-    MLFLOW_TRACKING_USERNAME=admin MLFLOW_TRACKING_PASSWORD=$MLFLOW_AUTH_ADMIN_PASSWORD \
-        MLFLOW_TRACKING_SERVER_CERT_PATH=$CA_CERT TRACKING_URL="https://$HOST:$PORT" \
-        NEW_USER=$name NEW_PASSWORD=$password python -W ignore - <<'PY' || exit 1
+    NEW_USER=$name NEW_PASSWORD=$password as_admin add-user <<'PY' || exit 1
 import os
 import sys
 
@@ -241,10 +246,7 @@ grant() {
     [ -n "$name" ] && [ -n "$experiment" ] || die "grant needs an account and an experiment: bash server/tracking.sh grant NAME EXPERIMENT [READ|EDIT|MANAGE]"
     case "$permission" in READ | EDIT | MANAGE) ;; *) die "grant: $permission is not a permission: READ, EDIT (write runs) or MANAGE (also grant)" ;; esac
     load_settings
-    [ -n "${MLFLOW_AUTH_ADMIN_PASSWORD:-}" ] || die "MLFLOW_AUTH_ADMIN_PASSWORD is not set: grant signs in as the admin; set it in the environment"
-    MLFLOW_TRACKING_USERNAME=admin MLFLOW_TRACKING_PASSWORD=$MLFLOW_AUTH_ADMIN_PASSWORD \
-        MLFLOW_TRACKING_SERVER_CERT_PATH=$CA_CERT TRACKING_URL="https://$HOST:$PORT" \
-        ACCOUNT=$name EXPERIMENT=$experiment PERMISSION=$permission python -W ignore - <<'PY' || exit 1
+    ACCOUNT=$name EXPERIMENT=$experiment PERMISSION=$permission as_admin grant <<'PY' || exit 1
 import contextlib
 import os
 import sys

@@ -188,13 +188,13 @@ def assert_a_restore_brings_back_the_backup(
 ) -> None:
     """What changed after the backup (an experiment, an account) is gone after ``restore``; the
     backed-up run is there, and the service answers again."""
+    carl = {**env, "TRACKING_USER_PASSWORD": BOB_PASSWORD}
     client.create_experiment("after-the-backup")
-    tracking("add-user", "carl", env={**env, "TRACKING_USER_PASSWORD": BOB_PASSWORD})
+    tracking("add-user", "carl", env=carl)
     restore = on_page("bash server/tracking.sh restore mlflow-backup")
     assert "Restored" in tracking(*restore, env=env, cwd=tmp_path).stdout
     assert client.get_experiment_by_name("after-the-backup") is None
     assert client.get_run(run_id).info.status == "FINISHED"
-    carl = {**env, "TRACKING_USER_PASSWORD": BOB_PASSWORD}
     assert "created" in tracking("add-user", "carl", env=carl).stdout, "carl is gone: made anew"
 
 
