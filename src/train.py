@@ -21,14 +21,14 @@ def train(cfg: DictConfig, task: Task) -> float | None:
     trainer = job.fit_trainer(model, run)
     with run.recording(trainer):  # config as params; the run ends FINISHED, FAILED or KILLED
         trainer.fit(model, datamodule=datamodule, ckpt_path=job.ckpt_path)
-        metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        metrics = job.fitted_metrics(trainer)  # the last value of each metric logged
         best = job.best_checkpoint(trainer)
         tested = trainer.test(model, datamodule=datamodule, ckpt_path=best, verbose=False)[0]
         metrics.update(tested)
         # metrics.json; on rank 0 the model whole (FSDP's weights gathered) and its figures
         model, figures = job.report_outcome(metrics, model, datamodule, best)
-        # The test metrics' step (the epoch count): MLflow links them to the model.
-        step = trainer.current_epoch
+        # The test metrics' step (the last global step): MLflow links them to the model.
+        step = trainer.global_step
         run.record_outcome(task, model, datamodule, best, figures, step, list(tested))
     return job.record_result(metrics)
 

@@ -345,9 +345,13 @@ def trained(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     run_dir = workdir / "run"
     # seed=0 on purpose: a falsy seed must still seed (a classic `if cfg.seed:` bug).
     # The two extra keys carry fake credentials that must never reach MLflow.
+    # Validated twice an epoch (after 5 of its 10 steps, and at its end), the training metrics
+    # logged every 4 steps: what a job counted in steps records (test_train.py).
     proc = run_entry(
         "train",
         *tiny_overrides(tiny_root, model=True),
+        "trainer.val_check_interval=0.5",
+        "trainer.log_every_n_steps=4",
         "seed=0",
         f"+service.api_token={FAKE_SECRET}",
         f"+service.url=https://user:{FAKE_SECRET}@example.com/data",

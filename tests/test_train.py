@@ -31,8 +31,8 @@ from tests.conftest import (
 
 def test_train_reports_exact_metrics(trained: dict[str, Path]) -> None:
     metrics = read_metrics(trained["run_dir"])
-    # Training drops the last incomplete global batch (src/distributed.py: GlobalBatchSampler).
-    assert metrics["train/samples"] == (N_TRAIN - VAL_SIZE) // 32 * 32
+    # The training metrics of the last 4 steps (trainer.log_every_n_steps=4: see below).
+    assert metrics["train/samples"] == 4 * 32
     assert metrics["val/samples"] == VAL_SIZE
     assert metrics["test/samples"] == N_TEST
     # The label is drawn into each image, so two epochs learn it well.
@@ -47,7 +47,7 @@ def test_train_leaves_checkpoints_config_and_log(trained: dict[str, Path]) -> No
     run_dir = trained["run_dir"]
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "last.ckpt").is_file()
-    assert len(list(ckpts.glob("epoch*-acc*.ckpt"))) == 1
+    assert len(list(ckpts.glob("epoch*-step*-acc*.ckpt"))) == 1
     assert "max_epochs: 2" in (run_dir / "config.yaml").read_text()
     assert (run_dir / "train.log").is_file()
     # Checkpoints hold plain values only: they load with torch.load's safe default.
@@ -102,12 +102,29 @@ def test_secrets_never_become_params_or_tags(trained: dict[str, Path]) -> None:
     assert "+service.api_token=***" in run.data.tags["hydra.overrides"]
 
 
-def test_mlflow_metrics_have_one_point_per_epoch(trained: dict[str, Path]) -> None:
+def test_mlflow_metrics_are_at_the_global_step(trained: dict[str, Path]) -> None:
+    """2 epochs of 10 steps, validated every 5 steps, the training metrics logged every 4 steps
+    and at each epoch's end (the steps since the last point): each at the global step, with the
+    epoch it fell in."""
     client, run = only_run(trained["workdir"] / "mlflow.db")
-    for name in ("train/loss", "train/acc", "train/lr", "val/loss", "val/acc", "val/acc_best"):
+
+    def points(name: str) -> list[tuple[int, float]]:
         history = client.get_metric_history(run.info.run_id, name)
-        assert sorted(m.step for m in history) == [0, 1], name  # step = epoch
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "test/acc")] == [2]
+        return sorted((m.step, m.value) for m in history)
+
+    for name in ("val/loss", "val/acc", "val/acc_best", "val/samples"):
+        assert [step for step, _ in points(name)] == [5, 10, 15, 20], name
+    for name in ("train/loss", "train/acc", "train/lr"):
+        assert [step for step, _ in points(name)] == [4, 8, 10, 12, 16, 20], name
+    steps_in_window = [4, 4, 2, 2, 4, 4]
+    assert [value for _, value in points("train/samples")] == [32 * n for n in steps_in_window]
+    # An epoch trains every whole global batch: the last incomplete one is dropped.
+    assert sum(32 * n for n in steps_in_window[:3]) == (N_TRAIN - VAL_SIZE) // 32 * 32
+    assert points("epoch") == [(s, 0) for s in (4, 5, 8, 10)] + [(s, 1) for s in (12, 15, 16, 20)]
+    assert [step for step, _ in points("test/acc")] == [20]
+    best = max(points("val/acc"), key=lambda point: point[1])  # the first of equals: max's
+    (best_file,) = (trained["run_dir"] / "checkpoints").glob("epoch*-step*-acc*.ckpt")
+    assert f"-step{best[0]:06d}-" in best_file.name, "the best of every validation, mid-epoch too"
 
 
 def test_mlflow_artifacts_and_dataset_inputs(trained: dict[str, Path], tmp_path: Path) -> None:
@@ -269,7 +286,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
     assert "ckpt_path: None -> " in run.data.tags["resume.1.changed_params"]
     for key, points in expected_history.items():
-        assert [step for step, _ in resumed_history[key]] == list(range(6)), key
+        assert [step for step, _ in resumed_history[key]] == list(range(10, 61, 10)), key
         values = [value for _, value in resumed_history[key]]
         assert values == pytest.approx([v for _, v in points], rel=1e-5, abs=1e-6), key
 
@@ -291,7 +308,7 @@ def test_resume_starts_a_new_run_when_asked(tiny_root: Path, tmp_path: Path) -> 
     assert [run.info.status for run in runs] == ["FINISHED", "FINISHED"]
     second = next(run for run in runs if run.data.tags["hydra.output_dir"].endswith("second"))
     steps = [m.step for m in client.get_metric_history(second.info.run_id, "val/acc")]
-    assert steps == [1], "the new run holds the epochs trained after the checkpoint"
+    assert steps == [20], "the new run holds the steps trained after the checkpoint"
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ Every reported number comes from a torchmetrics state, so under DDP it is synced
 
 import math
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as L
@@ -69,6 +70,7 @@ class ImageClassifier(L.LightningModule):
         net: dict[str, Any],
         lr: float,
         weight_decay: float = 0.0,
+        warmup: float = 0.0,
         num_classes: int = 10,
         image_shape: tuple[int, int, int] = (1, 28, 28),
         compile: bool = False,
@@ -79,6 +81,8 @@ class ImageClassifier(L.LightningModule):
             raise ValueError(f"model.lr={lr} must be a number > 0")
         if not is_number(weight_decay) or weight_decay < 0:
             raise ValueError(f"model.weight_decay={weight_decay} must be a number >= 0")
+        if not is_number(warmup) or not 0 <= warmup < 1:
+            raise ValueError(f"model.warmup={warmup} must be a share of the steps in [0, 1)")
         # Only plain values go into checkpoints (loadable with weights_only=True); the tracking
         # module logs the whole resolved config, so Lightning's own hparams logging is off.
         self.save_hyperparameters(logger=False)
@@ -115,18 +119,17 @@ class ImageClassifier(L.LightningModule):
         getattr(self, f"{stage}_metrics").update(losses.detach(), logits.detach(), batch.targets)
         return losses.mean()
 
-    def _log_epoch(self, stage: str) -> dict[str, Tensor]:
+    def _log_stage(self, stage: str, **when: bool) -> dict[str, Tensor]:
         """Compute the stage's metrics (one sync of its sums across ranks), log them and reset
-        them: once, at the epoch's end. Nothing is logged per step (Lightning's result
-        collection would process every logged value at every step)."""
+        them. The same synced value on every rank: "max" of equal values keeps it exact (a mean
+        would also be, but Lightning floors integer batch-size totals)."""
         metrics = getattr(self, f"{stage}_metrics")
         values = metrics.compute()
         metrics.reset()
         for name, value in values.items():
-            # The same synced value on every rank; "max" of equal values keeps it exact (a mean
-            # would also be, but Lightning floors integer batch-size totals).
+            prog_bar = name == "acc"
             self.log(
-                f"{stage}/{name}", value, prog_bar=name == "acc", sync_dist=True, reduce_fx="max"
+                f"{stage}/{name}", value, prog_bar=prog_bar, sync_dist=True, reduce_fx="max", **when
             )
         return values
 
@@ -140,42 +143,48 @@ class ImageClassifier(L.LightningModule):
         self._step(batch, "test")
 
     def on_train_start(self) -> None:
-        """This epoch's lr from the schedule: a resumed job's optimizer holds the lr its
-        checkpoint's schedule gave, and one lengthened on resume (trainer.max_epochs raised)
-        would train its added epochs at the old schedule's end, lr 0. Then the epoch's lr is
-        noted, as each epoch start does (a job resumed mid-epoch does not run that again)."""
+        """The lr of this step from the schedule: a resumed job's optimizer holds the lr its
+        checkpoint's schedule gave, and one lengthened on resume (trainer.max_steps or
+        max_epochs raised) would take its next step at the old schedule's lr."""
         scheduler = self.lr_schedulers()
         for group, factor in zip(
             scheduler.optimizer.param_groups, scheduler.lr_lambdas, strict=True
         ):
             group["lr"] = group["initial_lr"] * factor(scheduler.last_epoch)
-        self.on_train_epoch_start()
 
-    def on_train_epoch_start(self) -> None:
-        # The learning rate of this epoch; the scheduler steps at each epoch end.
-        self.epoch_lr = self.optimizers().param_groups[0]["lr"]
+    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
+        self.step_lr = self.trainer.optimizers[0].param_groups[0]["lr"]  # this step's: see below
+
+    def on_train_batch_end(self, outputs: Any, batch: Batch, batch_idx: int) -> None:
+        """Every ``trainer.log_every_n_steps`` steps, the training metrics of the steps since the
+        last point (one sync of their sums), with the lr: what the loggers chart at the global
+        step. Nothing is logged at the other steps (Lightning's result collection would process
+        every logged value at every step)."""
+        every = self.trainer.log_every_n_steps
+        if every and self.global_step % every == 0:
+            self._log_train(on_step=True, on_epoch=False)
 
     def on_train_epoch_end(self) -> None:
-        self._log_epoch("train")
-        # Logged at the epoch end like the other epoch metrics (step = epoch), so an epoch cut
-        # by a stop is logged once, by the job that completes it.
-        self.log("train/lr", self.epoch_lr, on_epoch=True, sync_dist=True, reduce_fx="max")
+        """The steps since the last point, if any: each epoch's last steps are charted too."""
+        every = self.trainer.log_every_n_steps
+        if every and self.global_step % every:
+            self._log_train(on_step=False, on_epoch=True)
+
+    def _log_train(self, **when: bool) -> None:
+        self._log_stage("train", **when)
+        # The lr of the step just taken: the scheduler has set the next step's by now.
+        self.log("train/lr", self.step_lr, sync_dist=True, reduce_fx="max", **when)
 
     def on_validation_epoch_end(self) -> None:
-        values = self._log_epoch("val")  # the sanity check's too: Lightning drops them
+        values = self._log_stage("val", on_step=False, on_epoch=True)
         if self.trainer.sanity_checking:  # a couple of batches: not a real accuracy
             return
         self.val_acc_best.update(values["acc"])
-        self.log(
-            "val/acc_best",
-            self.val_acc_best.compute(),
-            prog_bar=True,
-            sync_dist=True,
-            reduce_fx="max",
-        )
+        best = self.val_acc_best.compute()
+        self.log("val/acc_best", best, prog_bar=True, sync_dist=True, reduce_fx="max")
 
     def on_test_epoch_end(self) -> None:
-        self._log_epoch("test")
+        self._log_stage("test", on_step=False, on_epoch=True)
 
     def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
         confidence, predicted = self(batch.inputs).softmax(dim=1).max(dim=1)
@@ -190,19 +199,32 @@ class ImageClassifier(L.LightningModule):
         optimizer = torch.optim.AdamW(
             self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
         )
-        # Cosine decay over trainer.max_epochs, per epoch: a resumed run restores it exactly. It
-        # is computed from the epoch (not stepped from the last lr, as CosineAnnealingLR does),
-        # so a job lengthened on resume decays over its new length (see on_train_start).
-        epochs = max(1, self.trainer.max_epochs or 1)
-
-        def cosine(epoch: int) -> float:  # the share of model.lr for ``epoch``
-            return 0.5 * (1 + math.cos(math.pi * min(epoch, epochs) / epochs))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
+        # Per optimizer step: a linear warm-up over the first ``warmup`` share of the job's
+        # steps, then a cosine decay to 0 at its last. The share of model.lr is computed from
+        # the step (not stepped from the last lr, as CosineAnnealingLR does), so a resumed job
+        # restores it exactly and one lengthened on resume decays over its new length.
+        total = self.trainer.estimated_stepping_batches
+        if math.isinf(total):
+            raise ValueError(
+                "model: the learning-rate schedule needs the job's length: set trainer.max_steps "
+                "or trainer.max_epochs"
+            )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, partial(warmup_cosine, total=int(total), warmup=self.hparams.warmup)
+        )
         return {
             "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"},
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
+
+
+def warmup_cosine(step: int, total: int, warmup: float) -> float:
+    """The share of model.lr for optimizer step ``step`` (from 0) of ``total``."""
+    warmup_steps = math.ceil(warmup * total)
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    done = (step - warmup_steps) / max(1, total - warmup_steps)
+    return 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
 
 
 def build(model: dict[str, Any], data: ImageDataModule) -> ImageClassifier:

@@ -107,7 +107,8 @@ class BestCheckpoint(EpochEndCheckpoint):
 
 class LastCheckpoint(EpochEndCheckpoint):
     """``last.ckpt`` at every epoch end (``save_last`` writes only with a new best) and, mid-epoch,
-    every ``every_n_train_steps`` steps and at ``max_steps`` (an epoch's last step: at its end)."""
+    after every validation (``trainer.val_check_interval``), every ``every_n_train_steps`` steps
+    and at ``max_steps`` (an epoch's last step: at its end)."""
 
     def __init__(self, dirpath: Path, every_n_train_steps: int | None = None) -> None:
         super().__init__(
@@ -126,6 +127,11 @@ class LastCheckpoint(EpochEndCheckpoint):
         every = self.every_n_steps
         due = (every > 0 and step % every == 0) or step == trainer.max_steps
         if due and not epoch_finished(trainer):
+            self.save_now(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        fitting = trainer.state.fn == "fit" and not trainer.sanity_checking
+        if fitting and not epoch_finished(trainer):
             self.save_now(trainer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

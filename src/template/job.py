@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.template import checkpoint, reporting, sweeps
+from src.template import checkpoint, reporting, steps, sweeps
 from src.template.config import (
     as_config_error,
     check_choice,
@@ -133,7 +133,20 @@ class TrainingJob:
         ]
         sync_bn = use_sync_batchnorm(cfg.strategy.sync_batchnorm, model, cfg.accelerator)
         return build_trainer(
-            cfg, self.settings, run.loggers, callbacks, fitting=True, sync_batchnorm=sync_bn
+            cfg,
+            self.settings,
+            run.loggers,
+            callbacks,
+            fitting=True,
+            sync_batchnorm=sync_bn,
+            resumes=self.ckpt_path is not None,
+        )
+
+    @staticmethod
+    def fitted_metrics(trainer: L.Trainer) -> dict[str, float]:
+        """The last value of each metric logged while fitting (not the step axis's keys)."""
+        return steps.without_position(
+            {name: float(value) for name, value in trainer.callback_metrics.items()}
         )
 
     def best_checkpoint(self, trainer: L.Trainer) -> str:

@@ -8,6 +8,10 @@ pinned by ``tests/test_private.py``: an upgrade that changes one fails there, lo
 * Lightning's loop progress counters, read where a resumed epoch starts and whether an epoch ran
   to its end (``src/template/resume.py``): ``fit_loop.epoch_progress.current.started|processed``
   and ``fit_loop.epoch_loop.batch_progress.current.processed`` (public names, no stable API).
+* Lightning's fit loop's training loader (``fit_loop._combined_loader`` and the
+  ``fit_loop._data_fetcher`` iterating it), dropped by :func:`forget_train_loader` when
+  ``Trainer.estimated_stepping_batches`` built it before a checkpoint's loop state was restored
+  (Lightning#20550; ``src/template/trainer.py``).
 * Lightning's ``TensorBoardLogger._experiment`` (the writer, ``None`` until opened), read by
   ``tracking.OneFileTensorBoardLogger``: its public ``experiment`` opens a writer, and so an
   events file, on a job that fails before logging anything.
@@ -27,6 +31,8 @@ pinned by ``tests/test_private.py``: an upgrade that changes one fails there, lo
   ``litdata.utilities.format._convert_bytes_to_int`` (``data.max_cache_size`` as LitData reads it).
 """
 
+from typing import Any
+
 from lightning.fabric.utilities.distributed import (
     _set_num_threads_if_needed as set_num_threads_if_needed,
 )
@@ -34,7 +40,21 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
 
-__all__ = ["SubprocessScriptLauncher", "run_context_tags", "set_num_threads_if_needed"]
+__all__ = [
+    "SubprocessScriptLauncher",
+    "forget_train_loader",
+    "run_context_tags",
+    "set_num_threads_if_needed",
+]
+
+
+def forget_train_loader(trainer: Any) -> None:
+    """Drop the fit loop's training loader and stop its iterator (and its loader workers): the
+    fit loop builds and iterates it again when fitting starts (``_FitLoop.setup_data``)."""
+    loop = trainer.fit_loop
+    if loop._data_fetcher is not None:
+        loop._data_fetcher.teardown()
+    loop._combined_loader = None
 
 
 def run_context_tags(tags: dict[str, str]) -> dict[str, str]:

@@ -12,7 +12,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
-from src.template import checkpoint
 from src.template.settings import JobSettings
 from src.template.shutdown import run_lifecycle
 from src.template.start import Start, say
@@ -22,7 +21,7 @@ from src.template.tracking import outcome, run
 
 class TrackedRun:
     """The loggers of one job and what it records into them; ``history``: the (finished run,
-    first step not copied) whose epochs a lengthened job's new run starts with."""
+    last step copied) whose points a lengthened job's new run starts with."""
 
     def __init__(
         self,
@@ -39,7 +38,7 @@ class TrackedRun:
     @classmethod
     def for_training(cls, cfg: DictConfig, settings: JobSettings, start: Start) -> "TrackedRun":
         """A new run, or the one the resumed checkpoint recorded into; a finished job trained on
-        (lengthened) records into a new run that starts with the finished run's epochs."""
+        (lengthened) records into a new run that starts with the finished run's points."""
         if start.finished_run is None:
             continue_run = run.run_to_continue(start.saved, cfg.logger, settings, auto=start.auto)
             loggers = run.build_loggers(cfg, settings, continue_run=continue_run)
@@ -51,8 +50,8 @@ class TrackedRun:
         tags = {"continues_run": start.finished_run} if start.finished_run else {}
         loggers = run.build_loggers(cfg, settings, extra_tags=tags)
         history = None
-        if start.finished_run and cfg.logger.get("continue_run", True):  # false: its own epochs
-            history = (start.finished_run, checkpoint.epochs_done(start.saved))
+        if start.finished_run and cfg.logger.get("continue_run", True):  # false: its own steps
+            history = (start.finished_run, start.saved["global_step"])
         return cls(cfg, settings, loggers, history)
 
     @classmethod

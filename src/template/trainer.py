@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.model_summary import ModelSummary
 from omegaconf import DictConfig, OmegaConf
 
 from src.template.checkpoint import AtomicCheckpointIO, BestCheckpoint, LastCheckpoint
-from src.template.config import as_config_error, check_count, check_keys
+from src.template.config import ConfigError, as_config_error, check_count, check_keys
 from src.template.data import per_device_batch_size
 from src.template.distributed import (
     LogRankSetup,
@@ -28,9 +28,11 @@ from src.template.distributed import (
     check_devices,
 )
 from src.template.environment import quiet
+from src.template.private import forget_train_loader
 from src.template.resume import MidEpochState, silence_resume_warning
 from src.template.settings import JobSettings
 from src.template.shutdown import StopOnSignal
+from src.template.steps import GlobalStepAxis
 
 # Trainer arguments that build_trainer sets from other config: key -> where to set it instead.
 SET_BY_TEMPLATE = {
@@ -57,7 +59,7 @@ def check_settings(cfg: DictConfig, fitting: bool) -> JobSettings:
         check_count("seed", cfg.seed, 0)
     check_count("data.batch_size", cfg.data.batch_size, 1)
     if fitting:
-        check_count("trainer.max_epochs", cfg.trainer.max_epochs, 1)  # the LR decays over them
+        check_length(cfg.trainer.max_epochs, cfg.trainer.max_steps, cfg.trainer.max_time)
         if (every := cfg.callbacks.checkpoint.get("every_n_train_steps")) is not None:
             check_count("callbacks.checkpoint.every_n_train_steps", every, 1)
         check_count("callbacks.stop_check_every_n_steps", cfg.callbacks.stop_check_every_n_steps, 1)
@@ -71,6 +73,21 @@ def check_settings(cfg: DictConfig, fitting: bool) -> JobSettings:
     ):
         build_trainer(cfg, settings, [], [], fitting)
     return settings
+
+
+def check_length(max_epochs: Any, max_steps: Any, max_time: Any) -> None:
+    """A job counted in epochs (``trainer.max_epochs``), in steps (``trainer.max_steps``, with
+    ``max_epochs=-1``) or both (whichever ends it first), or by time: never without an end (a
+    schedule is sized by it)."""
+    if max_epochs not in (-1, None):
+        check_count("trainer.max_epochs", max_epochs, 1)
+    if max_steps != -1:
+        check_count("trainer.max_steps", max_steps, 1)
+    if max_epochs == -1 and max_steps == -1 and max_time is None:
+        raise ConfigError(
+            "trainer.max_epochs=-1 with trainer.max_steps=-1 trains without end: set "
+            "trainer.max_steps=N to count the job in steps, or trainer.max_epochs=N"
+        )
 
 
 def build_callbacks(
@@ -92,23 +109,24 @@ def build_callbacks(
     metric, mode = monitor
     ckpt_dir = output_dir / "checkpoints"
     silence_resume_warning()
-    # Both save at train-epoch end (after validation); last.ckpt also mid-epoch (see resume.py).
-    # The metric is named by hand: its "/" would make folders (val/acc -> acc0.9176).
+    # The best is chosen at every validation, mid-epoch ones included; last.ckpt is written at
+    # every epoch end, validation and stop (see checkpoint.py). The metric is named by hand: its
+    # "/" would make folders (val/acc -> acc0.9176).
     best = BestCheckpoint(
         dirpath=ckpt_dir,
-        filename=f"epoch{{epoch:03d}}-{metric.rsplit('/', 1)[-1]}{{{metric}:.4f}}",
+        filename=f"epoch{{epoch:03d}}-step{{step:06d}}-{metric.rsplit('/', 1)[-1]}{{{metric}:.4f}}",
         auto_insert_metric_name=False,
         monitor=metric,
         mode=mode,
         save_top_k=callbacks_cfg.checkpoint.save_top_k,
-        save_on_train_epoch_end=True,
+        save_on_train_epoch_end=False,
     )
     every = callbacks_cfg.checkpoint.every_n_train_steps
     last = LastCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every)
     summary = ModelSummaryFile(
         ckpt_dir.parent / "model_summary.txt", callbacks_cfg.model_summary_depth
     )
-    return [*callbacks, best, last, MidEpochState(), summary]
+    return [*callbacks, GlobalStepAxis(), best, last, MidEpochState(), summary]
 
 
 class ShowsLastEpoch(Callback):
@@ -162,6 +180,27 @@ class ModelSummaryFile(Callback):
             self.path.write_text(summary)
 
 
+class Trainer(L.Trainer):
+    """Lightning's Trainer; a job that ``resumes`` keeps its position when its model sizes a
+    schedule with ``estimated_stepping_batches`` in ``configure_optimizers`` (Lightning's
+    documented way): asked then, Lightning builds the training loader, and starts iterating it,
+    before the checkpoint's loop state is restored (Lightning#20550), so a job resumed mid-epoch
+    would train its epoch again from the first batch. That early loader is dropped here: the fit
+    loop builds it again after the restore, at the restored position."""
+
+    def __init__(self, *args: Any, resumes: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resumes = resumes
+
+    @property
+    def estimated_stepping_batches(self) -> int | float:
+        built_here = self.train_dataloader is None
+        steps = super().estimated_stepping_batches
+        if self.resumes and built_here and self.train_dataloader is not None:
+            forget_train_loader(self)
+        return steps
+
+
 class NoProfiler(PassThroughProfiler):
     """Lightning's default, which profiles nothing, without a new context manager at each of the
     ~80 hook calls of a training step (a microsecond each); ``trainer.profiler`` (null here)
@@ -195,6 +234,7 @@ def build_trainer(
     callbacks: Sequence[Callback],
     fitting: bool,
     sync_batchnorm: bool = False,
+    resumes: bool = False,
 ) -> L.Trainer:
     """A Trainer for ``cfg`` (checked by :func:`check_settings`): hardware from the top-level
     keys, loop settings from ``trainer``. Checkpoints are written atomically; where srun starts
@@ -206,7 +246,8 @@ def build_trainer(
     loop["profiler"] = loop.get("profiler") or NoProfiler()  # null: no cost per hook
     if isinstance(strategy, WatchedFSDPStrategy):  # FSDP2 fails to gather weights under
         loop["inference_mode"] = False  # inference_mode before torch 2.13 (pytorch#197327)
-    return L.Trainer(
+    return Trainer(
+        resumes=resumes,
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,

@@ -61,7 +61,7 @@ def test_best_val_acc_travels_in_the_checkpoint() -> None:
 def test_hyperparameters_are_plain_values() -> None:
     model = ImageClassifier(net=NET, lr=0.01, weight_decay=0.0, num_classes=10)
     expected = {"net": NET, "lr": 0.01, "weight_decay": 0.0, "num_classes": 10}
-    defaults = {"compile": False, "channels_last": False, "image_shape": (1, 28, 28)}
+    defaults = {"compile": False, "channels_last": False, "image_shape": (1, 28, 28), "warmup": 0}
     assert dict(model.hparams) == {**expected, **defaults}
 
 

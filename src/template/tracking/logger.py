@@ -1,5 +1,5 @@
-"""Rank 0's MLflow logger: metrics at step = epoch, its run's records kept in an outbox and sent
-in the background against a server (it opens and closes both), offline runs as records only;
+"""Rank 0's MLflow logger: metrics at the global step, its run's records kept in an outbox and
+sent in the background against a server (it opens and closes both), offline runs as records only;
 TensorBoard in one file; the run's id in every checkpoint."""
 
 from collections.abc import Mapping
@@ -12,7 +12,6 @@ from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from src.template.private import run_context_tags
-from src.template.resume import epoch_finished
 from src.template.tracking import store
 from src.template.tracking.outbox import Outbox, OutboxClient, Sender, encode, finish
 from src.template.tracking.store import TrackingError, without_password
@@ -20,10 +19,11 @@ from src.template.tracking.store import TrackingError, without_password
 STATUS = {"success": "FINISHED", "failed": "FAILED", "finished": "FINISHED"}  # Lightning's
 
 
-class EpochMLFlowLogger(MLFlowLogger):
-    """Metrics at step = epoch. A continued run skips the steps it has (a job killed between
-    logging an epoch and checkpointing it repeats that epoch); an epoch cut short by
-    ``max_steps`` is logged once, by the job that completes it."""
+class RunLogger(MLFlowLogger):
+    """Metrics at the step Lightning gives (the global step: :mod:`~src.template.steps`), each
+    at most once a step: a continued run skips the steps it has (a job killed between logging a
+    step and checkpointing it trains that step again), and a value Lightning logs again at the
+    same step (``epoch`` beside an epoch's last points) is kept once."""
 
     def __init__(
         self,
@@ -40,8 +40,7 @@ class EpochMLFlowLogger(MLFlowLogger):
         self.experiment_name = experiment_name
         self.offline = offline  # the outbox is all there is: nothing contacts the server
         self.continued = kwargs.get("run_id") is not None and not offline
-        self.last_step: dict[str, int] = {}  # per metric; a continued run's, read when reopened
-        self.cut_epoch: int | None = None
+        self.last_step: dict[str, int] = {}  # per metric (a continued run's read when reopened)
         self.outbox_folder = outbox_folder
         self.outbox: Outbox | None = None  # with a server: opened by start_sending
         self.sender: Sender | None = None
@@ -80,12 +79,7 @@ class EpochMLFlowLogger(MLFlowLogger):
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        metrics = dict(metrics)
-        epoch = metrics.pop("epoch", None)
-        if epoch is not None and int(epoch) == self.cut_epoch:
-            return
-        step = int(epoch) if epoch is not None else step
-        if self.continued and step is not None:
+        if step is not None:
             metrics = {k: v for k, v in metrics.items() if step > self.last_step.get(k, -1)}
         if metrics:
             super().log_metrics(metrics, step=step)
@@ -123,15 +117,11 @@ def opened_run(logger: MLFlowLogger, tracking_uri: str, experiment_name: str) ->
 
 
 class RunBookkeeping(Callback):
-    """Stores the run in every checkpoint (eval and predict link back to it), and tells the
-    logger when ``max_steps`` cut an epoch short (Lightning still logs its end)."""
+    """Stores the run in every checkpoint: eval and predict link back to it."""
 
     def __init__(self, logger: MLFlowLogger, tracking_uri: str) -> None:
         self.logger = logger
         self.tracking_uri = tracking_uri
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.logger.cut_epoch = None if epoch_finished(trainer) else trainer.current_epoch
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]

@@ -23,9 +23,9 @@ from src.template.settings import JobSettings
 from src.template.sweeps import sweep_job
 from src.template.tracking import store, sweep_run
 from src.template.tracking.logger import (
-    EpochMLFlowLogger,
     OneFileTensorBoardLogger,
     RunBookkeeping,
+    RunLogger,
     mlflow_logger,
 )
 from src.template.tracking.outbox import offline_run_id
@@ -68,7 +68,7 @@ def build_loggers(
 
 def mlflow_run_logger(
     cfg: DictConfig, settings: JobSettings, extra_tags: Mapping[str, str], run_id: str | None
-) -> "EpochMLFlowLogger":
+) -> "RunLogger":
     """Rank 0's MLflow logger, its store made ready (a server: checked to answer), its run's tags
     set; ``run_id``: the run it continues. A sweep job's run nests under its sweep's."""
     uri = cfg.logger.tracking_uri
@@ -85,7 +85,7 @@ def mlflow_run_logger(
         store.prepare_store(uri, cfg.logger.experiment_name)
     if parent := sweep_run.parent_run(cfg):
         tags["mlflow.parentRunId"] = parent
-    return EpochMLFlowLogger(
+    return RunLogger(
         experiment_name=cfg.logger.experiment_name,
         run_name=cfg.logger.run_name,
         tracking_uri=uri,
@@ -196,10 +196,10 @@ def finished_run(
 
 
 @rank_zero_only
-def copy_history(loggers: list[Logger], tracking_uri: str, old_run: str, before_step: int) -> None:
-    """A lengthened job's new run starts with its finished run's epochs (steps before
-    ``before_step``; its test metrics, at the final epoch count, stay behind): the new run shows
-    every epoch once, and the old run is left as it was."""
+def copy_history(loggers: list[Logger], tracking_uri: str, old_run: str, through_step: int) -> None:
+    """A lengthened job's new run starts with its finished run's points up to ``through_step``
+    (the step it trains on from; its test metrics too, at that step): the new run shows every
+    step once, and the old run is left as it was."""
     from mlflow import MlflowClient
 
     logger = mlflow_logger(loggers)
@@ -210,7 +210,7 @@ def copy_history(loggers: list[Logger], tracking_uri: str, old_run: str, before_
         point
         for key in source.get_run(old_run).data.metrics
         for point in source.get_metric_history(old_run, key)
-        if point.step < before_step
+        if point.step <= through_step
     ]
     for start in range(0, len(points), 1000):  # MLflow's most metrics in one batch
         logger.experiment.log_batch(logger.run_id, metrics=points[start : start + 1000])
@@ -292,7 +292,7 @@ def sending(loggers: list[Logger], send_timeout_s: float) -> Iterator[None]:
     at the end, wait up to ``send_timeout_s`` (``logger.send_timeout_s``) for them, and close
     TensorBoard's file."""
     logger = mlflow_logger(loggers)
-    outboxed = isinstance(logger, EpochMLFlowLogger) and not sqlite_file(logger.uri)
+    outboxed = isinstance(logger, RunLogger) and not sqlite_file(logger.uri)
     if outboxed:
         logger.start_sending()
     try:
