@@ -147,39 +147,117 @@ class WatchedFSDPStrategy(WatchedRanks, ModelParallelStrategy):
                 torch.distributed.broadcast(buffer, src=0)
 
 
-def check_shardable(strategy: str, module: nn.Module, blocks: tuple[type[nn.Module], ...]) -> None:
+# One entry of Task.sharded_blocks: a module type (each submodule of it is one FSDP unit), or
+# the dotted names of submodules sharded together as one unit (modules that tie weights).
+ShardedBlock = type[nn.Module] | tuple[str, ...]
+
+
+def check_shardable(strategy: str, module: nn.Module, blocks: Sequence[ShardedBlock]) -> None:
     """Under strategy=fsdp, refuse before a run or a rank exists a ``module`` that :func:`shard`
-    would refuse in every rank: one with parameters outside ``blocks`` (``Task.sharded_blocks``)."""
+    would refuse in every rank, or FSDP fail on in every rank (``Task.sharded_blocks``)."""
     if strategy == "fsdp":
         sharded_units(module, blocks)
 
 
-def sharded_units(module: nn.Module, blocks: tuple[type[nn.Module], ...]) -> list[nn.Module]:
-    """The submodules of ``module`` of a type in ``blocks``, each sharded as one unit. Every
-    module holding parameters of its own must be one or inside one: Lightning loads a gathered
-    checkpoint unit by unit, and fails on parameters outside them (the network's root too)."""
-    units = [sub for sub in module.modules() if sub is not module and isinstance(sub, blocks)]
-    inside = {id(part) for unit in units for part in unit.modules()}
+def sharded_units(module: nn.Module, blocks: Sequence[ShardedBlock]) -> list[list[nn.Module]]:
+    """The FSDP units of ``module``, innermost first, each a list of the submodules sharded
+    together: every named group of ``blocks``, and each other submodule of a type in them. Every
+    module holding parameters of its own must be in one or inside one (Lightning loads a gathered
+    checkpoint unit by unit, and fails on parameters outside them, the network's root too), and
+    no parameter may belong to two units side by side (tied weights: FSDP refuses them)."""
+    groups = [group_modules(module, names) for names in blocks if isinstance(names, tuple)]
+    grouped = {id(part) for group in groups for member in group for part in member.modules()}
+    types = tuple(block for block in blocks if isinstance(block, type))
+    units = [
+        [sub]
+        for sub in module.modules()
+        if sub is not module and isinstance(sub, types) and id(sub) not in grouped
+    ]
+    depth = {id(sub): name.count(".") for name, sub in module.named_modules()}
+    # Innermost first, as FSDP2 asks: a unit inside another is deeper than it.
+    units = sorted([*units, *groups], key=lambda unit: -max(depth[id(m)] for m in unit))
+    check_all_inside(module, units, blocks)
+    check_nothing_shared(module, units)
+    return units
+
+
+def group_modules(module: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
+    """The submodules ``names`` name, found under ``module`` itself or the first submodule
+    holding all of them (the check sees the LightningModule, ``shard`` the network in it)."""
+    for root in module.modules():
+        try:
+            return [root.get_submodule(name) for name in names]
+        except AttributeError:
+            continue
+    where = f"{type(module).__name__}'s submodules"
+    raise ConfigError(
+        f"strategy=fsdp: Task.sharded_blocks names {names}, not all of them among {where}; "
+        "name submodules of the network the task's configure_model shards (e.g. 'lm_head')"
+    )
+
+
+def check_all_inside(
+    module: nn.Module, units: list[list[nn.Module]], blocks: Sequence[ShardedBlock]
+) -> None:
+    """Refuse parameters held by a module outside every unit."""
+    inside = {id(part) for unit in units for member in unit for part in member.modules()}
     if loose := [
         name
         for name, sub in module.named_modules()
         if id(sub) not in inside and next(sub.parameters(recurse=False), None) is not None
     ]:
         kinds = sorted({type(module.get_submodule(name)).__name__ for name in loose})
+        named = [block.__name__ if isinstance(block, type) else block for block in blocks]
         raise ConfigError(
             f"strategy=fsdp: {', '.join(loose)} ({', '.join(kinds)}) hold parameters outside "
-            f"the sharded blocks {[kind.__name__ for kind in blocks]}; add its type to them "
+            f"the sharded blocks {named}; add its type to them "
             "(Task.sharded_blocks and the task's configure_model)"
         )
-    return units
 
 
-def shard(module: nn.Module, mesh: Any, blocks: tuple[type[nn.Module], ...]) -> None:
+def check_nothing_shared(module: nn.Module, units: list[list[nn.Module]]) -> None:
+    """Refuse a parameter in two units side by side (weights tied between them): FSDP gives each
+    parameter to one unit, the innermost that holds it."""
+    names = {id(sub): name for name, sub in module.named_modules()}
+    owner: dict[int, list[nn.Module]] = {}
+    for unit in units:  # innermost first
+        for member in unit:
+            for param_name, param in member.named_parameters():
+                first = owner.setdefault(id(param), unit)
+                if first is unit or holds(unit, first):
+                    continue
+                pair = sorted({names[id(first[0])], names[id(member)]})
+                raise ConfigError(
+                    f"strategy=fsdp: {pair[0]} and {pair[1]} share a parameter "
+                    f"({names[id(member)]}.{param_name}: tied weights) but are sharded apart; "
+                    f"shard them together: add {below_common_parent(pair)} to "
+                    "Task.sharded_blocks"
+                )
+
+
+def below_common_parent(names: list[str]) -> tuple[str, ...]:
+    """Dotted names relative to their deepest common parent (the network a task shards):
+    ``net.lm_head``, ``net.wte`` -> ``lm_head``, ``wte``."""
+    parts = [name.split(".") for name in names]
+    common = 0
+    while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+        common += 1
+    return tuple(".".join(p[common:]) for p in parts)
+
+
+def holds(outer: list[nn.Module], inner: list[nn.Module]) -> bool:
+    """Whether every module of the unit ``inner`` is inside a module of the unit ``outer``."""
+    parts = {id(part) for member in outer for part in member.modules()}
+    return all(id(member) in parts for member in inner)
+
+
+def shard(module: nn.Module, mesh: Any, blocks: Sequence[ShardedBlock]) -> None:
     """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel
-    ranks of ``mesh``, the LightningModule's ``device_mesh`` (FSDP2): each submodule of a type
-    in ``blocks`` is its own unit (:func:`sharded_units`), gathered just before it runs and
-    freed after. Call it from ``configure_model``: Lightning calls that for each stage (fit,
-    then test), and a sharded module is left as it is."""
+    ranks of ``mesh``, the LightningModule's ``device_mesh`` (FSDP2): each unit of
+    :func:`sharded_units` (a submodule of a type in ``blocks``, or a named group of submodules
+    that tie weights) gathered just before it runs and freed after. Call it from
+    ``configure_model``: Lightning calls that for each stage (fit, then test), and a sharded
+    module is left as it is."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if isinstance(module, FSDPModule):
@@ -189,8 +267,8 @@ def shard(module: nn.Module, mesh: Any, blocks: tuple[type[nn.Module], ...]) -> 
         # The strategy's mesh is 2-D (data x tensor parallel); given whole, fully_shard would
         # replicate over the ranks and shard over the tensor-parallel dimension, of size 1.
         mesh = mesh["data_parallel"]
-    for unit in reversed(units):  # innermost first, as FSDP2 asks
-        fully_shard(unit, mesh=mesh)
+    for unit in units:
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh)
     fully_shard(module, mesh=mesh)
 
 

@@ -47,10 +47,12 @@ class Task:
     # unless set there); None: ``monitor``. Optuna's direction and src.register follow ``mode``.
     optimized_metric: str | None = None
     errors: tuple[type[Exception], ...] = ()  # bad input: shown as one line, no traceback
-    # strategy=fsdp: the submodule types the model's configure_model shards as units (with
-    # src/template/distributed.py's shard); a model with parameters outside them is refused
-    # before any run or rank exists.
-    sharded_blocks: tuple[type[nn.Module], ...] = ()
+    # strategy=fsdp: what the model's configure_model shards as units (with
+    # src/template/distributed.py's shard): module types, each submodule of one a unit, and
+    # tuples of submodule names sharded together (modules that tie weights, e.g.
+    # ("embedding", "lm_head")). A model with parameters outside them, or weights tied between
+    # two units, is refused before any run or rank exists.
+    sharded_blocks: tuple[type[nn.Module] | tuple[str, ...], ...] = ()
     # The served model (None: jobs log no MLflow model).
     export: Callable[[L.LightningModule, L.LightningDataModule], ModelExport] | None = None
     # Figures of the test split, written by rank 0 after testing; their paths.
@@ -58,10 +60,10 @@ class Task:
     # All ranks' ``predict_step`` outputs (dicts of 1-D tensors with a stable sample ``index``),
     # merged and sorted by it, to the CSV's columns and the ``predict/*`` metrics.
     predictions: Callable[[Mapping[str, Tensor], L.LightningDataModule], Columns] | None = None
-    # ``src.predict images=DIR_OR_GLOB``: new files classified with a checkpoint alone, as
-    # (ckpt_path, the images= value, the CSV to write, this Task) -> the CSV written; None: the
-    # task predicts its data splits only.
-    predict_files: Callable[[str, str, Path, "Task"], Path] | None = None
+    # ``src.predict inputs=...``: new inputs (whatever the user typed: paths, a glob, a string)
+    # predicted with a checkpoint alone, as (ckpt_path, the inputs= value, the CSV to write,
+    # this Task) -> the CSV written; None: the task predicts its data splits only.
+    predict_inputs: Callable[[str, str, Path, "Task"], Path] | None = None
 
     def config_values(self) -> dict[str, str]:
         """What conf/ reads as ``${task:KEY}``: the metric is named once, by the task."""
