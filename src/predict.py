@@ -2,8 +2,9 @@
 
 The CSV has one row per sample in dataset order, with the columns the task reports (here: index
 in the official file, true label, predicted label, its class name, confidence); its path is
-printed at the end. ``images=DIR_OR_GLOB`` classifies new image files instead
-(``predictions_images.csv``: path, predicted label, class name, confidence).
+printed at the end. ``inputs=...`` hands new inputs (paths, a glob, a string: whatever the task
+reads) to the task's own reader instead (``predictions_inputs.csv``); the image task also takes
+them as ``images=DIR_OR_GLOB`` (path, predicted label, class name, confidence).
 """
 
 from pathlib import Path
@@ -18,14 +19,14 @@ from src.template.task import Task
 
 
 def predict(cfg: DictConfig, task: Task) -> Path:
-    if cfg.get("images"):  # new, unlabelled files: the task's predict_files
-        if task.predict_files is None:
+    if cfg.get("inputs") is not None:  # new, unlabelled inputs: the task's own reader
+        if task.predict_inputs is None:
             raise ConfigError(
-                f"images={cfg.images}: this task predicts its data splits only (split=test, val "
-                "or train); Task.predict_files in src/task/__init__.py would read new files"
+                f"inputs={cfg.inputs}: this task predicts its data splits only (split=test, val "
+                "or train); Task.predict_inputs in src/task/__init__.py would read new inputs"
             )
-        out = Path(cfg.paths.output_dir) / "predictions_images.csv"
-        return task.predict_files(cfg.ckpt_path, cfg.images, out, task)
+        out = Path(cfg.paths.output_dir) / "predictions_inputs.csv"
+        return task.predict_inputs(cfg.ckpt_path, str(cfg.inputs), out, task)
     job = CheckpointJob.from_checkpoint(cfg, task, splits=("test", "val", "train"))
     job.load_data("predict")  # bad data fails now
     job.begin()  # config.yaml shown and written

@@ -483,7 +483,7 @@ PATH_SETTINGS = [
         "predict",
         ["ckpt_path={ckpt}", "images=none", "hydra.run.dir={typed}"],
         None,
-        "images=none: no images",
+        "none: no images here",
         id="predict-hydra.run.dir",
     ),
 ]

@@ -1,21 +1,34 @@
-"""``python -m src.predict`` for any task: new files go through the task's contract
+"""``python -m src.predict`` for any task: new inputs go through the task's contract
 (tests/task/test_predict.py runs it end to end on the shipped task)."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from src.predict import predict
+from src.template.config import ConfigError
+from tests.machinery_task import TASK
+from tests.test_config import compose_config
 
-def test_new_files_are_the_tasks_to_read_or_refused_in_one_line(tmp_path: Path) -> None:
-    """``images=`` goes to the task's ``predict_files``; a task without one (a regression on
-    vectors, say) refuses it by name instead of failing on a module it does not have."""
-    from dataclasses import replace
 
-    from src.predict import predict
-    from src.task import TASK
-    from src.template.config import ConfigError
-    from tests.test_config import compose_config
+@pytest.mark.parametrize("typed", ["inputs=new/", "images=new/"])
+def test_new_inputs_are_the_tasks_to_read_or_refused_in_one_line(typed: str, tmp_path: Path):
+    """``inputs=`` (or the image task's ``images=``) goes to the task's ``predict_inputs``; a
+    task without one refuses it by name instead of failing on a reader it does not have."""
+    cfg = compose_config("predict", ["ckpt_path=x.ckpt", typed], tmp_path)
+    with pytest.raises(ConfigError, match="inputs=new/: this task predicts its data splits only"):
+        predict(cfg, replace(TASK, predict_inputs=None))
 
-    cfg = compose_config("predict", ["ckpt_path=x.ckpt", "images=new/"], tmp_path)
-    with pytest.raises(ConfigError, match="images=new/: this task predicts its data splits only"):
-        predict(cfg, replace(TASK, predict_files=None))
+
+def test_new_inputs_reach_the_tasks_reader_as_typed(tmp_path: Path) -> None:
+    """Whatever was typed, a string with spaces included, reaches the reader unchanged."""
+    seen = []
+
+    def reader(ckpt_path: str, inputs: str, out: Path, task: object) -> Path:
+        seen.append((ckpt_path, inputs, out.name))
+        return out
+
+    cfg = compose_config("predict", ["ckpt_path=x.ckpt", "inputs='Return the '"], tmp_path)
+    predict(cfg, replace(TASK, predict_inputs=reader))
+    assert seen == [("x.ckpt", "Return the ", "predictions_inputs.csv")]

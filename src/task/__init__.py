@@ -25,5 +25,5 @@ TASK = Task(
     export=export.export,
     figures=report.figures,
     predictions=report.predictions,
-    predict_files=predict_images,
+    predict_inputs=predict_images,  # src.predict inputs=... (or images=...): image files
 )

@@ -1,4 +1,5 @@
-"""``python -m src.predict ckpt_path=X images=DIR_OR_GLOB``: classify new, unlabelled images.
+"""``python -m src.predict ckpt_path=X images=DIR_OR_GLOB`` (or ``inputs=``): classify new,
+unlabelled images.
 
 Needs only the checkpoint: it holds the network, the class names, the normalisation and the
 image shape, so the training data need not be reachable. Images are decoded as training did
@@ -29,7 +30,7 @@ def image_paths(pattern: str) -> list[Path]:
     else:
         found = [Path(p) for p in glob.glob(str(root), recursive=True) if Path(p).is_file()]
     if not found:
-        raise DataError(f"images={pattern}: no images ({', '.join(sorted(EXTENSIONS))})")
+        raise DataError(f"{pattern}: no images here ({', '.join(sorted(EXTENSIONS))})")
     return sorted(found)
 
 

@@ -45,4 +45,4 @@ def test_predict_writes_every_test_sample_in_order(
 
 
 def test_the_image_task_reads_new_image_files() -> None:
-    assert TASK.predict_files is not None
+    assert TASK.predict_inputs is not None

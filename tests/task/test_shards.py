@@ -341,7 +341,7 @@ def test_predict_classifies_a_folder_of_new_images(
         Image.fromarray(images[i, 0].numpy()).save(path)
     ckpt = tmp_path / "t" / "checkpoints" / "last.ckpt"
     run_entry("predict", f"ckpt_path={ckpt}", f"images={folder}", "hydra.run.dir=p", cwd=tmp_path)
-    with (tmp_path / "p" / "predictions_images.csv").open() as f:
+    with (tmp_path / "p" / "predictions_inputs.csv").open() as f:
         rows = list(csv.DictReader(f))
     paths = [r["path"] for r in rows]
     assert paths == sorted(paths) and {Path(p).name for p in paths} == {
