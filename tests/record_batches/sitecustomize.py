@@ -1,19 +1,19 @@
 """Test instrument: every process records the samples of each training batch it trains on.
 
-Put this folder on ``PYTHONPATH`` and set ``RECORD_BATCHES=<file>``: each call of
-``ImageClassifier.training_step`` appends one JSON line ``{"epoch", "batch", "indices"}`` (the
-batch's positions in the official training file) to that file, so a test can see which
-batches each epoch really trained on.
+Put this folder on ``PYTHONPATH`` and set ``RECORD_BATCHES=<file>``: each call of the task
+model's ``training_step`` (``TASK.model_class``) appends one JSON line ``{"epoch", "batch",
+"indices"}`` (the batch's positions in the official training file) to that file, so a test can
+see which batches each epoch really trained on.
 """
 
 import json
 import os
 
-TARGET = "src.task.model"
+TARGET = "src.task"  # its TASK names the model class
 
 
 def patch(module) -> None:
-    original = module.ImageClassifier.training_step
+    original = module.TASK.model_class.training_step
     path = os.environ["RECORD_BATCHES"]
 
     def training_step(self, batch, batch_idx):
@@ -23,7 +23,7 @@ def patch(module) -> None:
             out.write(json.dumps(record) + "\n")
         return original(self, batch, batch_idx)
 
-    module.ImageClassifier.training_step = training_step
+    module.TASK.model_class.training_step = training_step
 
 
 if os.environ.get("RECORD_BATCHES"):

@@ -1,9 +1,9 @@
 """Test instrument: rank 0 sends itself a real signal during a chosen training step.
 
 Put this folder on ``PYTHONPATH`` and set ``SIGNAL_AT_STEP=<global step>:<signal name>``: when
-``ImageClassifier.training_step`` runs with ``global_step == <global step>`` on rank 0 (the
-launching process), that process gets the signal, as from ``kill -<signal> <pid>``. Stops then
-land at a known step instead of wherever a timer would put them.
+the task model's ``training_step`` (``TASK.model_class``) runs with ``global_step == <global
+step>`` on rank 0 (the launching process), that process gets the signal, as from ``kill
+-<signal> <pid>``. Stops then land at a known step instead of wherever a timer would put them.
 
 ``PAUSE_IN_SETUP=<seconds>``: every rank sleeps that long in the model's ``setup`` (a first
 SLURM attempt only, not a requeued one), so a test can signal a job that has opened its run
@@ -17,7 +17,7 @@ import os
 import signal
 import time
 
-TARGET = "src.task.model"
+TARGET = "src.task"  # its TASK names the model class
 
 
 def patch(module) -> None:
@@ -30,34 +30,34 @@ def patch(module) -> None:
 
 
 def sleep_per_step(module, seconds: float) -> None:
-    original = module.ImageClassifier.training_step
+    original = module.TASK.model_class.training_step
 
     def training_step(self, batch, batch_idx):
         time.sleep(seconds)
         return original(self, batch, batch_idx)
 
-    module.ImageClassifier.training_step = training_step
+    module.TASK.model_class.training_step = training_step
 
 
 def pause_in_setup(module, seconds: float) -> None:
-    original = module.ImageClassifier.setup
+    original = module.TASK.model_class.setup
 
     def setup(self, stage):
         time.sleep(seconds)
         return original(self, stage)
 
-    module.ImageClassifier.setup = setup
+    module.TASK.model_class.setup = setup
 
 
 def signal_at_step(module, step: str, name: str) -> None:
-    original = module.ImageClassifier.training_step
+    original = module.TASK.model_class.training_step
 
     def training_step(self, batch, batch_idx):
         if self.trainer.global_rank == 0 and self.global_step == int(step):
             os.kill(os.getpid(), signal.Signals[name])
         return original(self, batch, batch_idx)
 
-    module.ImageClassifier.training_step = training_step
+    module.TASK.model_class.training_step = training_step
 
 
 if any(os.environ.get(name) for name in ("SIGNAL_AT_STEP", "PAUSE_IN_SETUP", "SLEEP_PER_STEP")):
