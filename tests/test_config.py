@@ -246,6 +246,34 @@ def test_evaluation_takes_a_batch_the_world_does_not_divide(tmp_path: Path) -> N
         check_settings(cfg, fitting=True)
 
 
+@pytest.mark.parametrize(
+    "length",
+    [
+        ["trainer.max_epochs=-1", "trainer.max_steps=500"],  # counted in steps
+        ["trainer.max_epochs=2", "trainer.max_steps=500"],  # whichever ends it first
+        ["trainer.max_epochs=-1", "trainer.max_time=00:01:00:00"],  # by time
+    ],
+)
+def test_a_job_may_be_counted_in_epochs_steps_or_time(length: list[str], tmp_path: Path) -> None:
+    check_settings(compose_config("train", length, tmp_path), fitting=True)
+
+
+@pytest.mark.parametrize(
+    ("length", "line"),
+    [
+        (
+            ["trainer.max_epochs=-1"],
+            "trainer.max_epochs=-1 with trainer.max_steps=-1 trains without end",
+        ),
+        (["trainer.max_epochs=0"], "trainer.max_epochs=0 is not valid"),
+        (["trainer.max_steps=0"], "trainer.max_steps=0 is not valid"),
+    ],
+)
+def test_a_job_without_an_end_is_refused(length: list[str], line: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=line):
+        check_settings(compose_config("train", length, tmp_path), fitting=True)
+
+
 # --- this machine's settings: conf/local/default.yaml (git-ignored), never written to conf/ here
 
 ENTRY_CONFIGS = ("train", "eval", "predict", "prepare")

@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from src.template.distributed import WatchedDDPStrategy, check_shardable, shard
+from src.template.distributed import WatchedDDPStrategy, check_shardable, shard, sharded_units
 from src.template.resume import GlobalBatchSampler
 from src.template.settings import JobSettings
 from src.template.trainer import build_trainer
@@ -422,6 +422,41 @@ def test_fsdp_refuses_parameters_outside_the_sharded_blocks() -> None:
     with pytest.raises(ConfigError, match=r"1 \(BatchNorm2d\) hold parameters outside the"):
         shard(net, mesh=None, blocks=(nn.Conv2d, nn.Linear))
     check_shardable("ddp", net, (nn.Conv2d, nn.Linear))  # only strategy=fsdp shards
+
+
+class TiedNet(nn.Module):
+    """An embedding and an output layer sharing one weight, as most language models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(10, 4)
+        self.body = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4))
+        self.lm_head = nn.Linear(4, 10, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+
+def test_fsdp_refuses_weights_tied_across_units_and_names_the_group_to_shard_together() -> None:
+    """FSDP would fail in every rank ("Parameter 'lm_head.weight' is shared with a parameter
+    already managed by another FSDP group"): refused before any rank, with torch's fix."""
+    wrapper = nn.Module()
+    wrapper.net = TiedNet()  # what the check sees: the LightningModule holding the network
+    with pytest.raises(ConfigError) as refused:
+        check_shardable("fsdp", wrapper, (nn.Embedding, nn.LayerNorm, nn.Linear))
+    assert str(refused.value) == (
+        "strategy=fsdp: net.lm_head and net.wte share a parameter (net.lm_head.weight: tied "
+        "weights) but are sharded apart; shard them together: add ('lm_head', 'wte') to "
+        "Task.sharded_blocks"
+    )
+    blocks = (nn.LayerNorm, nn.Linear, ("lm_head", "wte"))
+    check_shardable("fsdp", wrapper, blocks)  # the network itself, as shard() is given it:
+    units = sharded_units(wrapper.net, blocks)
+    assert [[type(m).__name__ for m in unit] for unit in units] == [
+        ["LayerNorm"],
+        ["Linear"],
+        ["Linear", "Embedding"],
+    ], "innermost first; the group one unit"
+    with pytest.raises(ConfigError, match=r"names \('lm_head', 'head'\), not all of them"):
+        sharded_units(wrapper.net, (nn.LayerNorm, nn.Linear, ("lm_head", "head")))
 
 
 # src.train with the shipped task, but its sharded_blocks leave BatchNorm out.

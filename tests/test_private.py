@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from src.template.private import (
     SubprocessScriptLauncher,
+    forget_train_loader,
     run_context_tags,
     set_num_threads_if_needed,
 )
@@ -39,6 +40,33 @@ def test_lightnings_loop_progress_counts_what_resume_reads() -> None:
     loop = L.Trainer(logger=False, enable_checkpointing=False).fit_loop
     epochs, batches = loop.epoch_progress.current, loop.epoch_loop.batch_progress.current
     assert (epochs.started, epochs.processed, batches.processed) == (0, 0, 0)
+
+
+def test_lightnings_fit_loop_builds_its_train_loader_once_and_again_when_forgotten() -> None:
+    """The template's Trainer drops a train loader that estimated_stepping_batches built before
+    a checkpoint's position was restored; the fit loop must then build it anew."""
+    import lightning.pytorch as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+
+    assert "self.fit_loop.setup_data()" in inspect.getsource(
+        L.Trainer.estimated_stepping_batches.fget
+    ), "estimated_stepping_batches builds the loader (Lightning#20550)"
+    assert "if self._combined_loader is not None and not self._should_reload_train_dl:" in (
+        inspect.getsource(_FitLoop.setup_data)
+    ), "a built loader is kept"
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False)
+    trainer.strategy.connect(BoringModel())
+    trainer._data_connector.attach_data(trainer.lightning_module)
+    trainer.state.fn = "fit"
+    assert trainer.fit_loop._combined_loader is None and trainer.fit_loop._data_fetcher is None
+    trainer.fit_loop.setup_data()
+    built = trainer.fit_loop._combined_loader
+    assert built is not None and trainer.fit_loop._data_fetcher is not None
+    forget_train_loader(trainer)
+    assert trainer.train_dataloader is None
+    trainer.fit_loop.setup_data()
+    assert trainer.fit_loop._combined_loader not in (None, built), "built anew"
 
 
 def test_lightnings_tensorboard_writer_is_none_until_opened(tmp_path) -> None:

@@ -1,5 +1,5 @@
 """Exact resume wherever a job stops: real jobs stopped by real signals (delivered at a chosen
-step by ``tests/signal_at_step``), by ``max_steps`` or by SIGKILL after a step checkpoint, then
+step by ``tests/signal_at_step``) or by SIGKILL after a step checkpoint, then
 resumed; the result must equal an uninterrupted job's."""
 
 import json
@@ -28,6 +28,8 @@ from tests.test_train import EPOCH_METRICS, assert_same_tensors
 
 EPOCHS = 3
 STEPS_PER_EPOCH = (N_TRAIN - VAL_SIZE) // 32  # 10: batch 32 of the tiny dataset
+# Where the tiny job logs (trainer.log_every_n_steps=50, more than an epoch): each epoch's end.
+EPOCH_ENDS = [STEPS_PER_EPOCH * (epoch + 1) for epoch in range(EPOCHS)]
 SIGNAL_AT_STEP = PROJECT / "tests" / "signal_at_step"
 # In parallel runs (-n), one worker runs this module: its tests share the reference jobs.
 pytestmark = pytest.mark.xdist_group("resume")
@@ -71,6 +73,11 @@ def history_of(client: MlflowClient, run_id: str) -> tuple[object, dict]:
     return client.get_run(run_id), points
 
 
+def approx_points(points: list[tuple[int, float]]) -> list[tuple[int, object]]:
+    """``points`` with each value compared up to float summation order."""
+    return [(step, pytest.approx(value, rel=1e-5, abs=1e-6)) for step, value in points]
+
+
 def stopped_job(workdir: Path, args: list[str], signal_at: str | None) -> int:
     """Run ``src.train`` until it stops; its exit code."""
     path = [str(SIGNAL_AT_STEP), str(PROJECT)] if signal_at else [str(PROJECT)]
@@ -105,7 +112,6 @@ CASES = {
         "KILLED",
     ),
     "usr1-before-any-checkpoint": (1, [], "0:SIGUSR1", 138, 1, "KILLED"),
-    "max-steps-mid-epoch": (1, ["trainer.max_steps=14"], None, 0, 14, "FINISHED"),
     "workers-epoch-end-2-ranks": (2, ["data.num_workers=2"], "19:SIGINT", 130, 20, "KILLED"),
     "workers-mid-epoch": (1, ["data.num_workers=2"], "14:SIGUSR1", 138, 15, "KILLED"),
     "step-checkpoint-then-sigkill": (
@@ -148,10 +154,9 @@ def test_stopped_and_resumed_equals_uninterrupted(
     stopped_run, _ = history(tmp_path / "mlflow.db")
     assert stopped_run.info.status == status
 
-    resumed_args = [a for a in args if not a.startswith("trainer.max_steps")]
     resumed_dir = tmp_path / ("run" if again else "resumed")
     resume = [] if again else [f"ckpt_path={last}"]
-    run_entry("train", *resumed_args, *resume, f"hydra.run.dir={resumed_dir}", cwd=tmp_path)
+    run_entry("train", *args, *resume, f"hydra.run.dir={resumed_dir}", cwd=tmp_path)
 
     expected_dir = reference(devices, strategy)
     expected = load_checkpoint(expected_dir / "run/checkpoints/last.ckpt")
@@ -164,23 +169,12 @@ def test_stopped_and_resumed_equals_uninterrupted(
     for name, value in resumed_metrics.items():
         assert value == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-6), name
 
-    # One run, continued: every epoch once (the cut one logged by the job that completed it).
-    # A job that finished (cut by max_steps) is never reopened: it trains on into a new run that
-    # starts with its epochs, and its own run stays as it was.
+    # One run, continued: every step once, with the uninterrupted run's values.
     _, expected_history = history(expected_dir / "mlflow.db")
-    finished = status == "FINISHED"
-    run, resumed_history = history(tmp_path / "mlflow.db", runs=2 if finished else 1)
-    assert run.info.status == "FINISHED"
-    if finished:
-        assert run.data.tags["continues_run"] == stopped_run.info.run_id
-        old = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(stopped_run.info.run_id)
-        assert old.info == stopped_run.info and old.data.metrics == stopped_run.data.metrics
-    else:
-        assert run.data.tags["resume.count"] == "1"
+    run, resumed_history = history(tmp_path / "mlflow.db")
+    assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
     for key, points in expected_history.items():
-        assert [step for step, _ in resumed_history[key]] == list(range(EPOCHS)), key
-        values = [value for _, value in resumed_history[key]]
-        assert values == pytest.approx([v for _, v in points], rel=1e-5, abs=1e-6), key
+        assert resumed_history[key] == approx_points(points), key
 
 
 @pytest.mark.slow
@@ -202,7 +196,7 @@ def test_auto_starts_fresh_in_the_run_it_opened_and_never_repeats_a_finished_job
     assert_same_tensors(again["state_dict"], expected["state_dict"], "state_dict")
     run, points = history(tmp_path / "mlflow.db")  # one run, each epoch once
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
-    assert all([step for step, _ in steps] == list(range(EPOCHS)) for steps in points.values())
+    assert all([step for step, _ in steps] == EPOCH_ENDS for steps in points.values())
 
     # The same command once more, after it finished: nothing trained, tested or logged again.
     metrics = (tmp_path / "run" / "metrics.json").read_bytes()
@@ -219,16 +213,20 @@ def test_auto_starts_fresh_in_the_run_it_opened_and_never_repeats_a_finished_job
     assert "it trains on into a new MLflow run" in longer.stdout, longer.stdout[-2000:]
     new_run, points = history(tmp_path / "mlflow.db", runs=2)
     assert new_run.data.tags["continues_run"] == run.info.run_id
-    assert all([step for step, _ in steps] == list(range(EPOCHS + 1)) for steps in points.values())
+    more_ends = [*EPOCH_ENDS, STEPS_PER_EPOCH * (EPOCHS + 1)]
+    assert all([step for step, _ in steps] == more_ends for steps in points.values())
     old = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run.info.run_id)
     assert old.info == rerun.info and old.data.metrics == rerun.data.metrics
     assert "exists and is not empty" not in longer.stderr, "Lightning's warning, moot here"
     trained = torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)
     assert trained["global_step"] == expected["global_step"] + STEPS_PER_EPOCH
     # The added epoch trains on the cosine over the new length (a restored CosineAnnealingLR had
-    # reached 0 at the old length and stayed there).
-    cosine = 0.5 * (1 + math.cos(math.pi * EPOCHS / (EPOCHS + 1)))
-    assert points["train/lr"][-1] == (EPOCHS, pytest.approx(0.01 * cosine))
+    # reached 0 at the old length and stayed there): its last step's lr, 0.05 of 40 steps warming
+    # up (model.warmup).
+    total = STEPS_PER_EPOCH * (EPOCHS + 1)
+    warmup = math.ceil(0.05 * total)
+    cosine = 0.5 * (1 + math.cos(math.pi * (total - 1 - warmup) / (total - warmup)))
+    assert points["train/lr"][-1] == (total, pytest.approx(0.01 * cosine))
 
 
 def folder_contents(folder: Path) -> dict[Path, bytes]:
@@ -287,7 +285,7 @@ def test_stop_refused_resume_resume_as_printed_again_lengthen_and_new_job_from_w
     assert not (tmp_path / "outputs").exists(), "a resume continues in the job's folder"
     run, points = history(store)
     assert run.info.run_id == first.info.run_id and run.info.status == "FINISHED"
-    assert all([step for step, _ in steps] == [0, 1] for steps in points.values())
+    assert all([step for step, _ in steps] == EPOCH_ENDS[:2] for steps in points.values())
     assert_one_record(client, run.info.run_id, folder)
 
     # The same again: nothing trained, tested or logged.
@@ -303,7 +301,7 @@ def test_stop_refused_resume_resume_as_printed_again_lengthen_and_new_job_from_w
     run_entry("train", *longer, cwd=tmp_path)
     new_run, points = history(store, runs=2)
     assert new_run.data.tags["continues_run"] == run.info.run_id
-    assert all([step for step, _ in steps] == [0, 1, 2] for steps in points.values())
+    assert all([step for step, _ in steps] == EPOCH_ENDS for steps in points.values())
     (new_folder,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
     assert_one_record(client, new_run.info.run_id, new_folder)
     assert client.get_run(run.info.run_id).info == run.info
@@ -315,7 +313,7 @@ def test_stop_refused_resume_resume_as_printed_again_lengthen_and_new_job_from_w
     run_entry("train", *weights, f"weights_from={last}", "hydra.run.dir=fresh", cwd=tmp_path)
     fresh, points = history(store, runs=3)
     assert "continues_run" not in fresh.data.tags
-    assert all([step for step, _ in steps] == [0, 1] for steps in points.values())
+    assert all([step for step, _ in steps] == EPOCH_ENDS[:2] for steps in points.values())
     _, original = history_of(client, run.info.run_id)
     assert points["train/loss"][0][1] < original["train/loss"][0][1], "weights not loaded"
     saved = torch.load(tmp_path / "fresh/checkpoints/last.ckpt", weights_only=True)
