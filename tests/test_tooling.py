@@ -34,6 +34,23 @@ def test_dockerfile_installs_as_the_readme_says() -> None:
     assert "ARG BASE_IMAGE=" in DOCKERFILE and "FROM ${BASE_IMAGE}" in DOCKERFILE
 
 
+def test_ci_installs_what_the_readmes_first_command_does() -> None:
+    """CI's install is the README's first command's: the daily tests import nothing else."""
+    first = next(line for line in README.splitlines() if line.startswith("python3 -m venv"))
+    readme = [f"pip install{step}" for step in first.split("pip install")[1:]]
+    readme = [step.split(" && ")[0] for step in readme]
+    ci_lines = (PROJECT / ".ci" / "run").read_text().splitlines()
+    ci = [line.split("  #")[0] for line in ci_lines if line.startswith("pip install")]
+    assert (
+        ci
+        == readme
+        == [
+            'pip install -e ".[dev]" -c constraints.txt',
+            "pip install --no-deps -c constraints.txt litdata",
+        ]
+    )
+
+
 def test_dockerignore_keeps_data_and_runs_out() -> None:
     text = (PROJECT / ".dockerignore").read_text().splitlines()
     lines = [line for line in text if line and not line.startswith("#")]
