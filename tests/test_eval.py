@@ -6,21 +6,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import N_TEST, VAL_SIZE, only_run, read_metrics, run_entry
+from tests.conftest import VAL_SIZE, only_run, read_metrics, run_entry
 
 
 def best_checkpoint(run_dir: Path) -> Path:
-    (path,) = (run_dir / "checkpoints").glob("epoch*-acc*.ckpt")
+    (path,) = (run_dir / "checkpoints").glob("epoch*-step*.ckpt")
     return path
 
 
-def run_eval(trained: dict, tiny_root: Path, workdir: Path, *overrides: str) -> Path:
-    """Evaluate the shared training job's best checkpoint; return the eval's output folder."""
+def run_eval(trained: dict, workdir: Path, *overrides: str) -> Path:
+    """Evaluate the shared training job's best checkpoint (its data where the checkpoint says it
+    is); return the eval's output folder."""
     run_dir = workdir / "eval"
     run_entry(
         "eval",
         f"ckpt_path={best_checkpoint(trained['run_dir'])}",
-        f"data.root={tiny_root}",
         *overrides,
         f"hydra.run.dir={run_dir}",
         cwd=workdir,
@@ -28,15 +28,11 @@ def run_eval(trained: dict, tiny_root: Path, workdir: Path, *overrides: str) -> 
     return run_dir
 
 
-def test_eval_reproduces_the_training_jobs_test_metrics(
-    trained: dict[str, Path], tiny_root: Path, tmp_path: Path
-) -> None:
-    run_dir = run_eval(trained, tiny_root, tmp_path, "logger=none")
-    metrics, trained_metrics = read_metrics(run_dir), read_metrics(trained["run_dir"])
-    assert metrics["test/samples"] == N_TEST
-    # The training job tested the same best checkpoint on the same data.
-    assert metrics["test/acc"] == trained_metrics["test/acc"]
-    assert metrics["test/loss"] == pytest.approx(trained_metrics["test/loss"], abs=1e-6)
+def test_eval_reproduces_the_training_jobs_test_metrics(trained: dict[str, Path], tmp_path: Path):
+    """The training job tested the same best checkpoint on the same data."""
+    metrics = read_metrics(run_eval(trained, tmp_path, "logger=none"))
+    tested = {k: v for k, v in read_metrics(trained["run_dir"]).items() if k.startswith("test/")}
+    assert metrics == pytest.approx(tested, abs=1e-6)
 
 
 @pytest.mark.slow
@@ -44,7 +40,7 @@ def test_eval_is_an_mlflow_run_linked_to_its_training_run(
     trained: dict[str, Path], tiny_root: Path
 ) -> None:
     workdir = trained["workdir"]  # the training job's store
-    run_eval(trained, tiny_root, workdir)
+    run_eval(trained, workdir)
     _, source = only_run(workdir / "mlflow.db", task="train")
     client, run = only_run(workdir / "mlflow.db", task="eval")
     assert run.info.status == "FINISHED" and run.info.run_name == "eval mnist"
@@ -58,9 +54,7 @@ def test_eval_is_an_mlflow_run_linked_to_its_training_run(
 def test_eval_on_the_validation_split(
     trained: dict[str, Path], tiny_root: Path, tmp_path: Path
 ) -> None:
-    run_dir = run_eval(
-        trained, tiny_root, tmp_path, f"data.val_size={VAL_SIZE}", "split=val", "logger=none"
-    )
+    run_dir = run_eval(trained, tmp_path, f"data.val_size={VAL_SIZE}", "split=val", "logger=none")
     metrics = read_metrics(run_dir)
     assert metrics["val/samples"] == VAL_SIZE
     assert metrics["val/acc"] == read_metrics(trained["run_dir"])["val/acc_best"]

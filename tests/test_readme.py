@@ -106,8 +106,8 @@ SKIPPED: dict[str, str] = {
     r"^python -m benchmarks\.tracking_load\b": "minutes against the whole service; tests/"
     "test_benchmarks.py::test_tracking_load_survives_a_killed_server_a_restarted_database_and_a_"
     "stopped_bucket runs it with --tiny",
-    r"^python3? -m benchmarks\.run$": "about 10 minutes on 2 cores; tests/test_benchmarks.py runs "
-    "'python -m benchmarks.run --tiny', every row on tiny data",
+    r"^python3? -m benchmarks\.run$": "about 10 minutes on 2 cores; tests/task/test_benchmarks.py "
+    "runs 'python -m benchmarks.run --tiny', every row on tiny data",
 }
 
 # Page commands that another test runs as written (it takes them from the pages with

@@ -134,7 +134,8 @@ def show_config(cfg: DictConfig) -> None:
 
 
 # Log records that tell a user of this template nothing: Lightning's hardware summary, tips and
-# checkpoint-restoring chatter; urllib3's retries of an MLflow request (the job says itself, in
+# checkpoint-restoring chatter (and the loader a schedule's estimated_stepping_batches builds);
+# urllib3's retries of an MLflow request (the job says itself, in
 # one line, that a server is unreachable or what an outage left unsent).
 QUIET_LOGS = ("lightning.pytorch.utilities.rank_zero", "urllib3.connectionpool")
 QUIET_INFO = (
@@ -146,6 +147,7 @@ QUIET_INFO = (
     "Trainer already configured with model summary",
     "Restoring states from the checkpoint",
     "Loaded model weights from the checkpoint",
+    "Loading `train_dataloader` to estimate number of stepping batches",
     "Retrying (",
 )
 QUIET_WARNINGS = (

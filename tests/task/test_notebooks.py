@@ -1,4 +1,6 @@
-"""The notebooks run top to bottom against a store the test creates."""
+"""The notebooks, which show the shipped image task's data, network and runs, run top to bottom
+against a store the test creates. A forker who replaces the task adapts or deletes them with this
+test."""
 
 from pathlib import Path
 
