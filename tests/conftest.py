@@ -44,6 +44,13 @@ N_TEST = getattr(tiny_job, "N_TEST", 0)
 VAL_SIZE = getattr(tiny_job, "VAL_SIZE", 0)
 BATCH_SIZE = getattr(tiny_job, "BATCH_SIZE", 1)
 DATA_NAME = getattr(tiny_job, "DATA_NAME", "")  # its MLflow experiment
+STEPS_PER_EPOCH = (N_TRAIN - VAL_SIZE) // BATCH_SIZE  # the last incomplete global batch dropped
+
+
+def epoch_ends(epochs: int) -> list[int]:
+    """The global steps at which the tiny job's first ``epochs`` epochs end: where its metrics
+    are logged when ``trainer.log_every_n_steps`` (50) is more than an epoch."""
+    return [STEPS_PER_EPOCH * (epoch + 1) for epoch in range(epochs)]
 
 
 DAILY = pytest.StashKey[bool]()  # whether this run is the daily set

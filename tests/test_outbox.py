@@ -32,7 +32,14 @@ from src.template.tracking.outbox import (
     Sender,
     encode,
 )
-from tests.conftest import PROJECT, local_server_argv, mlflow_server, read_metrics, run_entry
+from tests.conftest import (
+    PROJECT,
+    epoch_ends,
+    local_server_argv,
+    mlflow_server,
+    read_metrics,
+    run_entry,
+)
 from tests.test_sweeps import sweep_folders, sweep_overrides
 
 INSTRUMENT = PROJECT / "tests" / "signal_at_step"
@@ -141,7 +148,7 @@ def assert_complete_run(client: MlflowClient, run_id: str, epochs: int, status: 
     assert run.info.status == status
     for key in ("train/loss", "val/acc"):
         steps = [m.step for m in client.get_metric_history(run_id, key)]
-        assert sorted(steps) == list(range(epochs)), f"{key}: {steps}"
+        assert sorted(steps) == epoch_ends(epochs), f"{key}: {steps}"
 
 
 def sync(run_dir: Path, *options: str) -> subprocess.CompletedProcess:
@@ -245,7 +252,7 @@ def test_a_job_killed_during_an_outage_loses_nothing_it_logged(server, job_facto
         run = client.get_run(run_id)
         assert run.info.status == "FAILED", "the job died before it ended its run"
         steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
-        assert steps == list(range(logged)), "every epoch it had logged, once"
+        assert steps == epoch_ends(logged), "every epoch it had logged, once"
         records = (job.run_dir / OUTBOX_FILE).read_text().splitlines()
         assert json.loads(records[-1])["status"] == "FAILED"
 

@@ -15,9 +15,9 @@ from mlflow import MlflowClient
 
 from src.template.sweeps import JOB_FILE, resume_folder
 from tests.conftest import (
-    N_TRAIN,
     PROJECT,
-    VAL_SIZE,
+    STEPS_PER_EPOCH,
+    epoch_ends,
     load_checkpoint,
     read_metrics,
     run_entry,
@@ -27,9 +27,7 @@ from tests.conftest import (
 from tests.test_train import EPOCH_METRICS, assert_same_tensors
 
 EPOCHS = 3
-STEPS_PER_EPOCH = (N_TRAIN - VAL_SIZE) // 32  # 10: batch 32 of the tiny dataset
-# Where the tiny job logs (trainer.log_every_n_steps=50, more than an epoch): each epoch's end.
-EPOCH_ENDS = [STEPS_PER_EPOCH * (epoch + 1) for epoch in range(EPOCHS)]
+EPOCH_ENDS = epoch_ends(EPOCHS)  # where the tiny job logs its metrics
 SIGNAL_AT_STEP = PROJECT / "tests" / "signal_at_step"
 # In parallel runs (-n), one worker runs this module: its tests share the reference jobs.
 pytestmark = pytest.mark.xdist_group("resume")

@@ -20,15 +20,16 @@ from src.task import TASK
 from src.template.config import flatten
 from src.template.tracking.store import mask_secrets
 from tests.conftest import (
-    BATCH_SIZE,
     DATA_NAME,
     FAKE_SECRET,
     LONG_VALUE,
     N_TEST,
     N_TRAIN,
     PROJECT,
+    STEPS_PER_EPOCH,
     VAL_SIZE,
     Job,
+    epoch_ends,
     only_run,
     read_metrics,
     run_entry,
@@ -37,7 +38,6 @@ from tests.conftest import (
 
 # The trained job (tests/conftest.py): 2 epochs, validated twice an epoch, the training metrics
 # logged every 4 steps.
-STEPS_PER_EPOCH = (N_TRAIN - VAL_SIZE) // BATCH_SIZE
 VALIDATE_EVERY = STEPS_PER_EPOCH // 2  # trainer.val_check_interval=0.5
 LAST_STEP = 2 * STEPS_PER_EPOCH
 
@@ -302,7 +302,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
     assert "ckpt_path: None -> " in run.data.tags["resume.1.changed_params"]
     for key, points in expected_history.items():
-        assert [step for step, _ in resumed_history[key]] == list(range(10, 61, 10)), key
+        assert [step for step, _ in resumed_history[key]] == epoch_ends(6), key
         values = [value for _, value in resumed_history[key]]
         assert values == pytest.approx([v for _, v in points], rel=1e-5, abs=1e-6), key
 
