@@ -363,6 +363,11 @@ def only_run(store: Path, experiment: str = DATA_NAME, task: str = "train"):
     return client, runs[0]
 
 
+# The trained job is validated twice an epoch (after half its steps, and at its end), its training
+# metrics logged every 4 steps: what a job counted in steps records (test_train.py).
+TRAINED_STEPS = ["trainer.val_check_interval=0.5", "trainer.log_every_n_steps=4"]
+
+
 @pytest.fixture(scope="session")
 def trained(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One real training job, launched from a fresh folder so the MLflow store (mlflow.db) and
@@ -371,13 +376,10 @@ def trained(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     run_dir = workdir / "run"
     # seed=0 on purpose: a falsy seed must still seed (a classic `if cfg.seed:` bug).
     # The two extra keys carry fake credentials that must never reach MLflow.
-    # Validated twice an epoch (after 5 of its 10 steps, and at its end), the training metrics
-    # logged every 4 steps: what a job counted in steps records (test_train.py).
     proc = run_entry(
         "train",
         *tiny_overrides(tiny_root, model=True),
-        "trainer.val_check_interval=0.5",
-        "trainer.log_every_n_steps=4",
+        *TRAINED_STEPS,
         "seed=0",
         f"+service.api_token={FAKE_SECRET}",
         f"+service.url=https://user:{FAKE_SECRET}@example.com/data",

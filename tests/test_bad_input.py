@@ -56,7 +56,7 @@ OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:
         (
             ["model.no_such_key=1"],
             "model.no_such_key is not a config key; model has: channels_last, compile, lr, net,"
-            " weight_decay",
+            " warmup, weight_decay",
         ),
         (
             ["+model.learning_rate=0.01"],
@@ -103,7 +103,7 @@ OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:
             ["callbacks.stop_check_every_n_steps=0"],
             "callbacks.stop_check_every_n_steps=0 is not valid: it must be a whole number >= 1",
         ),
-        (["trainer.max_epochs=-1"], "trainer.max_epochs=-1 is not valid: it must be a whole"),
+        (["trainer.max_epochs=-1"], "trainer.max_epochs=-1 with trainer.max_steps=-1 trains"),
         (
             ["callbacks.checkpoint.every_n_train_steps=0"],
             "callbacks.checkpoint.every_n_train_steps=0 is not valid: it must be a whole number",

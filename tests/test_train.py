@@ -27,6 +27,7 @@ from tests.conftest import (
     N_TRAIN,
     PROJECT,
     STEPS_PER_EPOCH,
+    TRAINED_STEPS,
     VAL_SIZE,
     Job,
     epoch_ends,
@@ -177,6 +178,7 @@ def test_train_resumes_at_the_next_epoch_with_its_best_metric(
     run_entry(
         "train",
         *overrides,
+        *TRAINED_STEPS,
         "trainer.max_epochs=3",
         "seed=0",  # the trained job's (another seed would be another job: refused)
         f"ckpt_path={last}",
@@ -185,10 +187,10 @@ def test_train_resumes_at_the_next_epoch_with_its_best_metric(
     )
     with (run_dir / "csv" / "metrics.csv").open() as file:
         rows = [row for row in csv.DictReader(file) if row.get("val/acc")]
-    assert [int(row["epoch"]) for row in rows] == [2], "only the third epoch is trained"
+    assert [float(row["epoch"]) for row in rows] == [2, 2], "only the third epoch is trained"
     resumed = read_metrics(run_dir)
     assert resumed["val/acc_best"] == pytest.approx(
-        max(first["val/acc_best"], float(rows[0]["val/acc"]))
+        max(first["val/acc_best"], *(float(row["val/acc"]) for row in rows))
     )
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     batches_per_epoch = (N_TRAIN - VAL_SIZE) // 32
