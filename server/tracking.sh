@@ -113,8 +113,8 @@ refuse_earlier_layout() {
 # Started as root: the system user the service runs as, made the first time.
 ensure_service_user() {
     id -u "$SERVICE_USER" >/dev/null 2>&1 && return
-    useradd --system --user-group --home-dir /var/lib/mlflow-tracking --no-create-home --shell /usr/sbin/nologin \
-        "$SERVICE_USER"
+    useradd --system --user-group --home-dir /var/lib/mlflow-tracking --no-create-home \
+        --shell /usr/sbin/nologin "$SERVICE_USER"
 }
 
 # Started as root: the service's user must enter the folders above the data, this project and
@@ -127,7 +127,8 @@ check_service_user_reaches() {
             path=$(dirname "$path")
         done
     done
-    closed=$(as_service bash -c 'for d; do test -x "$d" || { echo "$d"; exit; }; done' _ "${folders[@]}")
+    # (a folder not made yet is made by `start`, enterable)
+    closed=$(as_service bash -c 'for d; do test -e "$d" || continue; test -x "$d" || { echo "$d"; exit; }; done' _ "${folders[@]}")
     [ -z "$closed" ] || die "the service's user $SERVICE_USER cannot enter $closed (above the data folder, this project or its Python): install the project and its virtual environment where that user may read them, e.g. /opt (docs/tracking-server.md), or let it pass: setfacl -m u:$SERVICE_USER:x $closed"
 }
 
