@@ -99,7 +99,8 @@ def grant(accounts: AuthServiceClient, url: str, name: str, experiment: str, per
         set_others(accounts, found.experiment_id, permission)
         print(
             f"Experiment {experiment} of {url} is private: only accounts with a permission of "
-            "their own on it (its owner, those granted one) may read it, not those added later."
+            "their own on it (its owner, those granted one) may read it; accounts added later may "
+            "not."
             if permission == "NONE"
             else f"Experiment {experiment} of {url} is readable by every account again."
         )

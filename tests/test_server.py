@@ -34,6 +34,7 @@ from typing import Any
 import boto3
 import psutil
 import pytest
+import requests
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from mlflow.server.auth.client import AuthServiceClient
@@ -674,6 +675,17 @@ def private_run(service: Service, tmp_path_factory: pytest.TempPathFactory) -> P
     return PrivateRun(experiment, run_id, source)
 
 
+def graphql_model_versions(service: Service, login: tuple[str, str], name: str) -> list[dict]:
+    """The model versions of ``name`` as the web UI asks for them (GraphQL), lineage included."""
+    fields = "name version runId runLink source"
+    query = f"{{ mlflowSearchModelVersions(input: {{filter: \"name = '{name}'\"}}) "
+    query += f"{{ modelVersions {{ {fields} }} }} }}"
+    answer = requests.post(
+        f"{service.url}/graphql", json={"query": query}, auth=login, verify=service.cert, timeout=60
+    )
+    return answer.json()["data"]["mlflowSearchModelVersions"]["modelVersions"]
+
+
 def refused(call, *args: Any, **kwargs: Any) -> str:
     """The error code MLflow's client raised for ``call`` (fails if it did not raise)."""
     with pytest.raises(MlflowException) as error:
@@ -705,8 +717,13 @@ def test_a_private_experiment_and_its_models_lineage_are_closed_to_others(
             assert (latest.run_id, latest.source) == (None, "")
             (found,) = other.search_model_versions("name = 'pat-model'")
             assert (found.run_id, found.source) == (None, "")
+        assert graphql_model_versions(service, login, "pat-model") == [
+            {"name": "pat-model", "version": "1"}  # the UI's query, less its lineage
+        ]
     with service.client(*PAT) as pat:
         assert pat.get_model_version("pat-model", "1").run_id == run_id, "its owner sees it all"
+    (seen,) = graphql_model_versions(service, PAT, "pat-model")
+    assert seen["runId"] == run_id and seen["source"] == private_run.source
     tracking("grant", "sam", "pat-private", "READ", env=service.env)
     with service.client(*SAM) as sam:
         assert sam.get_run(run_id).info.run_id == run_id
