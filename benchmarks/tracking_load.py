@@ -37,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from tests.local_servers import free_port, moto_s3, wait_for_port
+from tests.local_servers import free_port, let_the_service_user_reach, moto_s3, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -92,7 +92,8 @@ class Service:
 @contextmanager
 def postgresql_service(workdir: Path, s3: dict[str, str], workers: int) -> Iterator[Service]:
     """``bash server/tracking.sh start`` in a folder of its own, an account for the clients."""
-    # Not under workdir: PostgreSQL's user must pass through every parent folder.
+    # Not under workdir: the service's user (as root: a user of its own) must pass through every
+    # parent folder.
     parent = Path(tempfile.mkdtemp(prefix="tracking-load-service-"))
     parent.chmod(0o711)
     data = parent / "service"
@@ -110,6 +111,7 @@ def postgresql_service(workdir: Path, s3: dict[str, str], workers: int) -> Itera
         "TRACKING_USER_PASSWORD": secrets.token_urlsafe(16),
     }
     script = ["bash", str(ROOT / "server" / "tracking.sh")]
+    let_the_service_user_reach(Path(sys.executable), ROOT / "server" / "tracking.sh", data)
     try:
         for command in (["start"], ["add-user", "bench"]):
             proc = subprocess.run([*script, *command], env=env, capture_output=True, text=True)

@@ -1,108 +1,201 @@
 #!/usr/bin/env bash
 # The team's MLflow tracking service on one machine (docs/tracking-server.md):
-#   PostgreSQL (runs and accounts) <- mlflow server (basic-auth, artifacts proxied to S3)
-#   <- caddy (TLS, the only open port); supervisord keeps all three running.
+#   PostgreSQL (runs and accounts) <- mlflow server (basic-auth, artifacts proxied to S3, on a
+#   Unix socket) <- caddy (TLS, the only open port); supervisord keeps all three running, as the
+#   service's own user.
 #
 #   bash server/tracking.sh start          # create (first time), start, print what clients set
 #   bash server/tracking.sh stop           # stop all of it (the data stays)
 #   bash server/tracking.sh status         # each part: RUNNING, its pid, its uptime
 #   bash server/tracking.sh add-user NAME  # an account; prints its password once
-#   bash server/tracking.sh grant NAME EXPERIMENT [READ|EDIT|MANAGE]  # rights on another's (EDIT)
+#   bash server/tracking.sh grant NAME EXPERIMENT [READ|EDIT|MANAGE|NONE]  # rights on another's
+#   bash server/tracking.sh grant others EXPERIMENT NONE|READ  # private (or readable again)
 #   bash server/tracking.sh backup FOLDER  # both databases, pg_dump's custom format
 #   bash server/tracking.sh restore FOLDER # a backup into this service (replacing what it holds)
 #   bash server/tracking.sh upgrade        # after a new MLflow: migrate the database, restart
 #   bash server/tracking.sh run            # start in the foreground (server/mlflow-tracking.service)
 #
 # Settings (environment variables):
-#   TRACKING_DATA       folder of the database, keys, certificates and logs ($HOME/mlflow-tracking)
+#   TRACKING_DATA       folder of the database, keys, certificates and logs (as root:
+#                       /var/lib/mlflow-tracking; otherwise $HOME/mlflow-tracking)
 #   TRACKING_HOST       the name clients reach this machine by (hostname -f)
 #   TRACKING_PORT       the HTTPS port clients use (8443)
 #   TRACKING_ARTIFACTS  where artifacts go, s3://bucket/prefix (required)
 #   MLFLOW_S3_ENDPOINT_URL, AWS_*: the bucket's endpoint and credentials, for the server only
 #   TRACKING_WORKERS    mlflow server worker processes (4)
+#   TRACKING_SERVICE_USER  started as root: the system user the service runs as (mlflow-tracking,
+#                       made if missing); started by another user, the service is that user's
 #   PG_BIN              the folder of PostgreSQL's programs (Debian's newest)
 #   MLFLOW_AUTH_ADMIN_PASSWORD  the admin's password (12+ characters); needed by the first start,
-#                       add-user and grant; never written to a file
+#                       add-user and grant; never written to a file, never given to the service
 #   TRACKING_USER_PASSWORD  add-user: the new account's password (default: a random one)
 set -euo pipefail
+umask 077 # every file this script writes is its owner's only
 
 SERVER_DIR=$(cd "$(dirname "$0")" && pwd)
-DATA=${TRACKING_DATA:-$HOME/mlflow-tracking}
+if [ "$(id -u)" = 0 ]; then DEFAULT_DATA=/var/lib/mlflow-tracking; else DEFAULT_DATA=$HOME/mlflow-tracking; fi
+DATA=${TRACKING_DATA:-$DEFAULT_DATA}
+SERVICE_USER=${TRACKING_SERVICE_USER:-mlflow-tracking}
 HOST=${TRACKING_HOST:-$(hostname -f)}
 PORT=${TRACKING_PORT:-8443}
 WORKERS=${TRACKING_WORKERS:-4}
 # PostgreSQL's programs: Debian's newest (apt-get install postgresql), or PG_BIN
 PG_BIN=${PG_BIN:-$(find /usr/lib/postgresql -path '*/bin/postgres' 2>/dev/null | sort -V | tail -1 | xargs -r dirname || true)}
 SUPERVISOR_CONF=$DATA/supervisord.conf
+# PostgreSQL's, the MLflow server's and supervisord's sockets: the folder is the service's only
+SOCKETS=$DATA/sockets
 CA_CERT=$DATA/ca.crt
+# Model versions may come from this server's runs and models only (and prompts' placeholders): a
+# source naming a bucket path would be read with the server's credentials (MLflow's own check,
+# off unless set).
+MODEL_VERSION_SOURCES='^(runs:/|models:/|mlflow-artifacts:/|dummy-source$|prompt-template$)'
 
 die() {
     echo "Error: $*" >&2
     exit 1
 }
 
-# PostgreSQL refuses to run as root: as root its processes run as the `postgres` user.
-pg_user() {
-    if [ "$(id -u)" = 0 ]; then echo postgres; else id -un; fi
+is_root() {
+    [ "$(id -u)" = 0 ]
 }
 
-as_pg_user() {
-    if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+# Started as root, the service's programs and files are its own user's (switched to as systemd's
+# User= does, by setpriv: no process in between); otherwise the caller's. With EXEC=exec, the
+# command takes this shell's place.
+as_service() {
+    if is_root; then
+        ${EXEC:-} setpriv --reuid="$(id -u "$SERVICE_USER")" --regid="$(id -g "$SERVICE_USER")" \
+            --init-groups env HOME="$DATA" "$@"
+    else
+        ${EXEC:-} "$@"
+    fi
+}
+
+# Standard input into FILE, the service's and readable by it only.
+private_file() {
+    as_service sh -c 'umask 077 && cat >"$1"' sh "$1"
+}
+
+# The database role MLflow signs in as owns its two databases, nothing more (no superuser).
+database_uri() {
+    printf 'postgresql+psycopg2://mlflow@/%s?host=%s\n' "$1" "$SOCKETS"
+}
+
+# The one origin whose pages may send requests with credentials: the service's own.
+origin() {
+    if [ "$PORT" = 443 ]; then echo "https://$HOST"; else echo "https://$HOST:$PORT"; fi
 }
 
 # The one place a setting lands in a file: $DATA/settings.env (no secrets), read back by `run`,
 # `stop`, `status` and `add-user`, so they act on the service `start` created.
 save_settings() {
-    printf 'HOST=%q\nPORT=%q\nWORKERS=%q\nARTIFACTS=%q\nMLFLOW_PORT=%q\n' \
-        "$HOST" "$PORT" "$WORKERS" "$ARTIFACTS" "$MLFLOW_PORT" >"$DATA/settings.env"
+    printf 'HOST=%q\nPORT=%q\nWORKERS=%q\nARTIFACTS=%q\n' "$HOST" "$PORT" "$WORKERS" "$ARTIFACTS" \
+        | private_file "$DATA/settings.env"
 }
 
 load_settings() {
+    if [ -d "$DATA" ] && ! [ -x "$DATA" ]; then
+        die "$DATA belongs to the service's user $(stat -c %U "$DATA"): run this command as root (sudo -E bash server/tracking.sh ...)"
+    fi
     [ -f "$DATA/settings.env" ] || die "no tracking service in $DATA: run 'bash server/tracking.sh start' (or set TRACKING_DATA to its folder)"
     # shellcheck source=/dev/null
     . "$DATA/settings.env"
 }
 
-free_port() {
-    python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+# A data folder made before the service had a user and a socket of its own (MLflow on a TCP
+# port, as the database's superuser) is not started as it is: its data moves by backup/restore.
+refuse_earlier_layout() {
+    if [ -f "$DATA/settings.env" ] && grep -q '^MLFLOW_PORT=' "$DATA/settings.env"; then
+        die "$DATA was made by an earlier tracking.sh (MLflow on a TCP port, as PostgreSQL's superuser): move its data to a new service: backup, stop, start one in a new TRACKING_DATA, restore (docs/tracking-server.md: Upgrades)"
+    fi
 }
 
-# First start only: the folder, a PostgreSQL cluster with the two databases, the Flask secret key.
-create() {
+# Started as root: the system user the service runs as, made the first time.
+ensure_service_user() {
+    id -u "$SERVICE_USER" >/dev/null 2>&1 && return
+    useradd --system --user-group --home-dir /var/lib/mlflow-tracking --no-create-home \
+        --shell /usr/sbin/nologin "$SERVICE_USER"
+}
+
+# Started as root: the service's user must enter the folders above the data, this project and
+# the Python environment's interpreter (a pyenv under /root is closed to it, for one).
+check_service_user_reaches() {
+    local path closed folders=()
+    for path in "$(dirname "$DATA")" "$SERVER_DIR" "$(dirname "$(readlink -f "$(command -v python)")")"; do
+        while [ "$path" != / ]; do # from the top down: the first closed folder is named
+            folders=("$path" "${folders[@]}")
+            path=$(dirname "$path")
+        done
+    done
+    # (a folder not made yet is made by `start`, enterable)
+    closed=$(as_service bash -c 'for d; do test -e "$d" || continue; test -x "$d" || { echo "$d"; exit; }; done' _ "${folders[@]}")
+    [ -z "$closed" ] || die "the service's user $SERVICE_USER cannot enter $closed (above the data folder, this project or its Python): install the project and its virtual environment where that user may read them, e.g. /opt (docs/tracking-server.md), or let it pass: setfacl -m u:$SERVICE_USER:x $closed"
+}
+
+# Started as root on a data folder of another user: the settings would not be its.
+check_data_owner() {
+    local owner
+    owner=$(stat -c %U "$DATA")
+    [ "$owner" = "$SERVICE_USER" ] || die "$DATA belongs to $owner, not to the service's user $SERVICE_USER: set TRACKING_SERVICE_USER=$owner, or choose another TRACKING_DATA"
+}
+
+# First start only, before anything is made: what it needs from this shell.
+check_first_start_settings() {
     [ -n "${TRACKING_ARTIFACTS:-}" ] || die "TRACKING_ARTIFACTS is not set: set it to the bucket the server keeps artifacts in, e.g. TRACKING_ARTIFACTS=s3://team-bucket/mlflow"
     local admin_password=${MLFLOW_AUTH_ADMIN_PASSWORD:-}
     [ "${#admin_password}" -ge 12 ] || die "MLFLOW_AUTH_ADMIN_PASSWORD is not set or under 12 characters: set the admin's password in the environment of the first start (it is never written to a file)"
     check_bucket_credentials "$TRACKING_ARTIFACTS"
-    mkdir -p "$DATA/logs"
-    chmod 711 "$DATA" # PostgreSQL's user may pass through to its own folders, not list the rest
-    as_pg_user test -x "$DATA" || die "user $(pg_user) cannot reach $DATA (PostgreSQL runs as it): choose a TRACKING_DATA whose parent folders it may enter (chmod o+x)"
-    (umask 077 && python -c 'import secrets; print(secrets.token_hex(32))' >"$DATA/flask-secret-key")
-    mkdir -p "$DATA/postgres" "$DATA/postgres-socket"
-    chown "$(pg_user)" "$DATA/postgres" "$DATA/postgres-socket"
-    chmod 700 "$DATA/postgres" "$DATA/postgres-socket"
-    as_pg_user "$PG_BIN/initdb" -D "$DATA/postgres" -U postgres --auth-local=trust --auth-host=reject >"$DATA/logs/initdb.log"
-    as_pg_user "$PG_BIN/pg_ctl" -D "$DATA/postgres" -l "$DATA/postgres/first-start.log" -w start \
-        -o "-c listen_addresses='' -k $DATA/postgres-socket" >/dev/null
-    for database in mlflow mlflow_auth; do
-        as_pg_user "$PG_BIN/createdb" -h "$DATA/postgres-socket" -U postgres "$database"
-    done
-    as_pg_user "$PG_BIN/pg_ctl" -D "$DATA/postgres" -w stop >/dev/null
+}
+
+# First start only: the folder, a PostgreSQL cluster with MLflow's role and its two databases, the
+# Flask secret key, the admin account.
+create() {
+    if [ -d "$DATA" ] && [ -n "$(ls -A "$DATA")" ]; then
+        die "$DATA holds files but no tracking service (no settings.env): set TRACKING_DATA to a new or empty folder"
+    fi
+    trap undo_create EXIT
+    (umask 022 && mkdir -p "$DATA") # the folders above stay enterable
+    chmod 700 "$DATA"
+    if is_root; then chown "$SERVICE_USER:" "$DATA"; fi
+    as_service mkdir -m 700 "$DATA/logs" "$DATA/postgres" "$SOCKETS"
+    python -c 'import secrets; print(secrets.token_hex(32))' | private_file "$DATA/flask-secret-key"
+    as_service "$PG_BIN/initdb" -D "$DATA/postgres" -U postgres --auth-local=trust --auth-host=reject \
+        | private_file "$DATA/logs/initdb.log"
+    as_service "$PG_BIN/pg_ctl" -D "$DATA/postgres" -l "$DATA/logs/first-start.log" -w start \
+        -o "-c listen_addresses='' -k $SOCKETS -c unix_socket_permissions=0700" >/dev/null
+    as_service "$PG_BIN/psql" -h "$SOCKETS" -U postgres -d postgres -q -v ON_ERROR_STOP=1 <<'SQL'
+CREATE ROLE mlflow LOGIN;
+CREATE DATABASE mlflow OWNER mlflow;
+CREATE DATABASE mlflow_auth OWNER mlflow;
+REVOKE ALL ON DATABASE postgres, template1 FROM PUBLIC;
+SQL
     ARTIFACTS=$TRACKING_ARTIFACTS
-    MLFLOW_PORT=$(free_port)
     save_settings
+    render
+    # The admin's account, made here: the service itself never holds the admin's password.
+    MLFLOW_AUTH_CONFIG_PATH=$DATA/basic_auth.ini as_service python -W ignore \
+        -c 'from mlflow.server.auth import bootstrap_admin_user; bootstrap_admin_user()' 2>&1 \
+        | private_file "$DATA/logs/first-start-accounts.log" \
+        || die "the admin's account could not be made: see $DATA/logs/first-start-accounts.log"
+    as_service "$PG_BIN/pg_ctl" -D "$DATA/postgres" -w stop >/dev/null
+    trap - EXIT
+}
+
+# A first start that failed leaves nothing behind: PostgreSQL stopped, the data folder empty.
+undo_create() {
+    as_service "$PG_BIN/pg_ctl" -D "$DATA/postgres" -m fast -w stop >/dev/null 2>&1 || true
+    find "$DATA" -mindepth 1 -delete
 }
 
 # The configuration files, rewritten at each start from settings.env and the templates here.
 render() {
-    local database="postgresql+psycopg2://postgres@/mlflow?host=$DATA/postgres-socket"
-    sed -e "s|@DATABASE@|postgresql+psycopg2://postgres@/mlflow_auth?host=$DATA/postgres-socket|" \
-        "$SERVER_DIR/basic_auth.ini" >"$DATA/basic_auth.ini"
-    sed -e "s|@HOST@|$HOST|g" -e "s|@PORT@|$PORT|g" -e "s|@MLFLOW_PORT@|$MLFLOW_PORT|g" \
-        -e "s|@DATA@|$DATA|g" "$SERVER_DIR/Caddyfile" >"$DATA/Caddyfile"
-    sed -e "s|@DATA@|$DATA|g" -e "s|@PG_BIN@|$PG_BIN|g" -e "s|@PG_USER@|$(pg_user)|g" \
-        -e "s|@SERVER_DIR@|$SERVER_DIR|g" \
-        "$SERVER_DIR/supervisord.conf" >"$SUPERVISOR_CONF"
-    printf '%s\n' "$database" >"$DATA/database-uri"
+    sed -e "s|@DATABASE@|$(database_uri mlflow_auth)|" "$SERVER_DIR/basic_auth.ini" \
+        | private_file "$DATA/basic_auth.ini"
+    sed -e "s|@HOST@|$HOST|g" -e "s|@PORT@|$PORT|g" -e "s|@ORIGIN@|$(origin)|g" \
+        -e "s|@SOCKETS@|$SOCKETS|g" "$SERVER_DIR/Caddyfile" | private_file "$DATA/Caddyfile"
+    sed -e "s|@DATA@|$DATA|g" -e "s|@SOCKETS@|$SOCKETS|g" -e "s|@PG_BIN@|$PG_BIN|g" \
+        -e "s|@CADDY@|$(command -v caddy)|g" -e "s|@SERVER_DIR@|$SERVER_DIR|g" \
+        "$SERVER_DIR/supervisord.conf" | private_file "$SUPERVISOR_CONF"
 }
 
 # The server writes artifacts with the credentials of the environment it starts in: started
@@ -129,7 +222,14 @@ prepare() {
     [ -x "$PG_BIN/postgres" ] || die "PostgreSQL is not installed: apt-get install postgresql (or set PG_BIN to the folder of its postgres program)"
     command -v caddy >/dev/null || die "caddy is not installed: apt-get install caddy"
     command -v supervisord >/dev/null || die "supervisord is not on PATH: pip install -e '.[server]' -c constraints.txt in the environment on PATH"
+    refuse_earlier_layout
+    if ! [ -f "$DATA/settings.env" ]; then check_first_start_settings; fi
+    if is_root; then
+        ensure_service_user
+        check_service_user_reaches
+    fi
     if [ -f "$DATA/settings.env" ]; then
+        if is_root; then check_data_owner; fi
         load_settings
         say_kept_settings
         check_bucket_credentials "$ARTIFACTS"
@@ -140,22 +240,47 @@ prepare() {
     render
 }
 
+# supervisord, as the service's user; `foreground` (systemd's unit): in place of this shell, so
+# that systemd's signals reach it. It and the MLflow server get, of this shell's environment, the
+# bucket's settings (AWS_*, MLFLOW_S3_*) and proxies, nothing else (the admin's password, a
+# login of this shell's): `env -u NAME` for every other variable, so no value is on a command
+# line. PostgreSQL and caddy start with an empty environment (supervisord.conf).
+supervise() {
+    local name unset=()
+    for name in $(compgen -e); do
+        case "$name" in
+        PATH | LANG | LC_* | TZ | AWS_* | MLFLOW_S3_* | [Hh][Tt][Tt][Pp]_[Pp][Rr][Oo][Xx][Yy] | \
+            [Hh][Tt][Tt][Pp][Ss]_[Pp][Rr][Oo][Xx][Yy] | [Nn][Oo]_[Pp][Rr][Oo][Xx][Yy]) ;;
+        *) unset+=(-u "$name") ;;
+        esac
+    done
+    local supervisord=(env "${unset[@]}" HOME="$DATA" TRACKING_DATA="$DATA" "$(command -v supervisord)" -c "$SUPERVISOR_CONF")
+    if [ "${1:-}" = foreground ]; then
+        EXEC=exec as_service "${supervisord[@]}" -n
+    fi
+    as_service "${supervisord[@]}"
+}
+
 # supervisord's `mlflow` program. A SIGKILLed `mlflow server` leaves its uvicorn processes
-# holding the port; they are in the process group of the one before, which is ended first.
+# serving; they are in the process group of the one before, which is ended first, and the
+# socket they bound is removed so that the new server binds it again.
 serve_mlflow() {
     load_settings
     if [ -f "$DATA/mlflow.pgid" ]; then kill -KILL -- "-$(cat "$DATA/mlflow.pgid")" 2>/dev/null || true; fi
     echo $$ >"$DATA/mlflow.pgid"
+    rm -f "$SOCKETS/mlflow.sock"
     MLFLOW_FLASK_SERVER_SECRET_KEY=$(cat "$DATA/flask-secret-key")
     export MLFLOW_FLASK_SERVER_SECRET_KEY
     export MLFLOW_AUTH_CONFIG_PATH=$DATA/basic_auth.ini
-    export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false # tracking only: no GenAI job runners
-    exec mlflow server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers "$WORKERS" \
-        --backend-store-uri "$(cat "$DATA/database-uri")" \
+    export PYTHONPATH=$SERVER_DIR${PYTHONPATH:+:$PYTHONPATH} # tracking_auth, the sign-in it loads
+    export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false          # tracking only: no GenAI job runners
+    export MLFLOW_CREATE_MODEL_VERSION_SOURCE_VALIDATION_REGEX=$MODEL_VERSION_SOURCES
+    exec mlflow server --workers "$WORKERS" \
+        --backend-store-uri "$(database_uri mlflow)" \
         --artifacts-destination "$ARTIFACTS" \
         --app-name basic-auth \
-        --allowed-hosts "$HOST:$PORT,$HOST" --cors-allowed-origins "https://$HOST:$PORT" \
-        --uvicorn-opts "--timeout-keep-alive 120"
+        --allowed-hosts "$HOST:$PORT,$HOST" --cors-allowed-origins "$(origin)" \
+        --uvicorn-opts "--uds $SOCKETS/mlflow.sock --timeout-keep-alive 120"
 }
 
 # Until the service answers through TLS (or 120 s): supervisord retries a part that fails.
@@ -169,18 +294,23 @@ wait_until_up() {
         # caddy makes its certificate authority at its first start; clients get a copy of its root,
         # whole or not at all (a client reading it while cp writes would find no certificate)
         if [ -f "$DATA/caddy/pki/authorities/local/root.crt" ]; then
-            cp "$DATA/caddy/pki/authorities/local/root.crt" "$CA_CERT.tmp" && mv "$CA_CERT.tmp" "$CA_CERT"
+            as_service cp "$DATA/caddy/pki/authorities/local/root.crt" "$CA_CERT.tmp"
+            as_service mv "$CA_CERT.tmp" "$CA_CERT"
         fi
         sleep 1
     done
 }
 
+running() {
+    [ -S "$SOCKETS/supervisor.sock" ] && supervisorctl -c "$SUPERVISOR_CONF" pid >/dev/null 2>&1
+}
+
 start() {
     prepare
-    if [ -S "$DATA/supervisor.sock" ] && supervisorctl -c "$SUPERVISOR_CONF" pid >/dev/null 2>&1; then
+    if running; then
         echo "Already running (bash server/tracking.sh status)."
     else
-        supervisord -c "$SUPERVISOR_CONF"
+        supervise
     fi
     wait_until_up
     cat <<EOF
@@ -206,95 +336,66 @@ stop() {
     echo "Stopped (the data stays in $DATA)."
 }
 
-# The Python program on standard input, signed in to the service as the admin (for COMMAND,
-# which the refusal names). Passwords travel in the environment, never on a command line (ps
-# shows those).
-as_admin() {
+# server/accounts.py COMMAND, signed in to the service as the admin. Passwords travel in the
+# environment, never on a command line (ps shows those).
+accounts() {
     [ -n "${MLFLOW_AUTH_ADMIN_PASSWORD:-}" ] || die "MLFLOW_AUTH_ADMIN_PASSWORD is not set: $1 signs in as the admin; set it in the environment"
+    load_settings
     MLFLOW_TRACKING_USERNAME=admin MLFLOW_TRACKING_PASSWORD=$MLFLOW_AUTH_ADMIN_PASSWORD \
         MLFLOW_TRACKING_SERVER_CERT_PATH=$CA_CERT TRACKING_URL="https://$HOST:$PORT" \
-        python -W ignore -
+        ACCOUNTS_DATABASE=$(database_uri mlflow_auth) \
+        python -W ignore "$SERVER_DIR/accounts.py" "$@"
 }
 
 add_user() {
-    local name=$1
-    [ -n "$name" ] || die "add-user needs the account's name: bash server/tracking.sh add-user NAME"
-    load_settings
-    local password=${TRACKING_USER_PASSWORD:-$(python -c 'import secrets; print(secrets.token_urlsafe(18))')}
-    NEW_USER=$name NEW_PASSWORD=$password as_admin add-user <<'PY' || exit 1
-import os
-import sys
-
-from mlflow.exceptions import MlflowException
-from mlflow.server.auth.client import AuthServiceClient
-
-try:
-    AuthServiceClient(os.environ["TRACKING_URL"]).create_user(
-        os.environ["NEW_USER"], os.environ["NEW_PASSWORD"]
-    )
-except MlflowException as error:
-    sys.exit(f"Error: the server refused the account: {error.message.splitlines()[0]}")
-PY
-    echo "Account $name created on https://$HOST:$PORT (it may create experiments of its own and read others'; to write into another's: grant)."
-    if [ -z "${TRACKING_USER_PASSWORD:-}" ]; then echo "Its password (shown once, give it to $name): $password"; fi
+    [ -n "$1" ] || die "add-user needs the account's name: bash server/tracking.sh add-user NAME"
+    accounts add-user "$1"
 }
 
-# An account's rights on an experiment it does not own, as the admin (MLflow's REST API:
-# a permission already given is replaced).
 grant() {
     local name=$1 experiment=$2 permission=${3:-EDIT}
-    [ -n "$name" ] && [ -n "$experiment" ] || die "grant needs an account and an experiment: bash server/tracking.sh grant NAME EXPERIMENT [READ|EDIT|MANAGE]"
-    case "$permission" in READ | EDIT | MANAGE) ;; *) die "grant: $permission is not a permission: READ, EDIT (write runs) or MANAGE (also grant)" ;; esac
-    load_settings
-    ACCOUNT=$name EXPERIMENT=$experiment PERMISSION=$permission as_admin grant <<'PY' || exit 1
-import contextlib
-import os
-import sys
+    [ -n "$name" ] && [ -n "$experiment" ] || die "grant needs an account (or others) and an experiment: bash server/tracking.sh grant NAME EXPERIMENT [READ|EDIT|MANAGE|NONE]"
+    case "$name:$permission" in
+    others:NONE | others:READ) ;;
+    others:*) die "grant others takes NONE (the experiment becomes private) or READ (readable again): bash server/tracking.sh grant others EXPERIMENT NONE" ;;
+    *:READ | *:EDIT | *:MANAGE | *:NONE) ;;
+    *) die "grant: $permission is not a permission: READ, EDIT (write runs), MANAGE (also grant) or NONE (not even read)" ;;
+    esac
+    accounts grant "$name" "$experiment" "$permission"
+}
 
-from mlflow import MlflowClient
-from mlflow.exceptions import MlflowException
-from mlflow.server.auth.client import AuthServiceClient
-
-url, name = os.environ["TRACKING_URL"], os.environ["EXPERIMENT"]
-try:
-    found = MlflowClient(url).get_experiment_by_name(name)
-    if found is None:
-        sys.exit(f"Error: {url} has no experiment {name}: give the name jobs log into")
-    accounts = AuthServiceClient(url)
-    account, experiment_id = os.environ["ACCOUNT"], found.experiment_id
-    with contextlib.suppress(MlflowException):  # none given yet
-        accounts.revoke_user_permission(account, "experiment", experiment_id)
-    accounts.grant_user_permission(account, "experiment", experiment_id, os.environ["PERMISSION"])
-except MlflowException as error:
-    sys.exit(f"Error: the server refused the grant: {error.message.splitlines()[0]}")
-PY
-    echo "$name has $permission on experiment $experiment of https://$HOST:$PORT."
+# PostgreSQL's socket folder: this layout's, or that of a data folder made by an earlier
+# tracking.sh (whose data `backup` moves to a new service).
+database_sockets() {
+    if [ -d "$SOCKETS" ]; then echo "$SOCKETS"; else echo "$DATA/postgres-socket"; fi
 }
 
 # Both databases (runs, accounts) while the service runs, for `restore`. The accounts' dump
-# holds password hashes: the files are the owner's only.
+# holds password hashes: the files are the owner's only; a failed dump leaves the last one.
 backup() {
-    local folder=$1
+    local folder=$1 database
     [ -n "$folder" ] || die "backup needs a folder: bash server/tracking.sh backup FOLDER"
     load_settings
-    (umask 077 && mkdir -p "$folder")
+    mkdir -p "$folder"
     for database in mlflow mlflow_auth; do
-        (umask 077 && "$PG_BIN/pg_dump" -h "$DATA/postgres-socket" -U postgres -Fc -f "$folder/$database.dump" "$database")
+        "$PG_BIN/pg_dump" -h "$(database_sockets)" -U postgres -Fc -f "$folder/$database.dump.tmp" "$database"
+        mv "$folder/$database.dump.tmp" "$folder/$database.dump"
     done
     echo "Backed up to $folder/mlflow.dump and $folder/mlflow_auth.dump (the artifacts are in $ARTIFACTS)."
 }
 
 # A backup into this running service (a new VM: start, then restore): both databases replaced,
-# with the MLflow server stopped meanwhile so that no request sees half of them.
+# owned by MLflow's role, with the MLflow server stopped meanwhile so that no request sees half
+# of them.
 restore() {
-    local folder=$1
+    local folder=$1 database
     [ -n "$folder" ] || die "restore needs the folder of a backup: bash server/tracking.sh restore FOLDER"
     [ -f "$folder/mlflow.dump" ] && [ -f "$folder/mlflow_auth.dump" ] || die "$folder holds no backup (mlflow.dump and mlflow_auth.dump): give the folder 'backup' wrote"
     load_settings
     supervisorctl -c "$SUPERVISOR_CONF" status postgres >/dev/null 2>&1 || die "the service is not running: bash server/tracking.sh start, then restore"
     supervisorctl -c "$SUPERVISOR_CONF" stop mlflow >/dev/null
     for database in mlflow mlflow_auth; do
-        "$PG_BIN/pg_restore" -h "$DATA/postgres-socket" -U postgres --clean --if-exists \
+        "$PG_BIN/pg_restore" -h "$SOCKETS" -U mlflow --no-owner --clean --if-exists \
             --single-transaction -d "$database" "$folder/$database.dump" \
             || die "restoring $database failed (above); the server stays stopped: fix the cause and run restore again"
     done
@@ -308,7 +409,7 @@ restore() {
 upgrade() {
     load_settings
     supervisorctl -c "$SUPERVISOR_CONF" stop mlflow >/dev/null
-    PYTHONWARNINGS=ignore mlflow db upgrade "$(cat "$DATA/database-uri")" \
+    PYTHONWARNINGS=ignore mlflow db upgrade "$(database_uri mlflow)" \
         || die "the database migration failed (above); the server stays stopped: restore the backup into it (docs/tracking-server.md), or fix the cause and run upgrade again"
     supervisorctl -c "$SUPERVISOR_CONF" start mlflow >/dev/null \
         || die "the upgraded server did not start: see $DATA/logs/mlflow.log"
@@ -325,7 +426,7 @@ grant) grant "${2:-}" "${3:-}" "${4:-}" ;;
 backup) backup "${2:-}" ;;
 restore) restore "${2:-}" ;;
 upgrade) upgrade ;;
-run) prepare && exec supervisord -n -c "$SUPERVISOR_CONF" ;;
+run) prepare && supervise foreground ;;
 serve-mlflow) serve_mlflow ;;
 *) die "usage: bash server/tracking.sh start|stop|status|add-user NAME|grant NAME EXPERIMENT|backup FOLDER|restore FOLDER|upgrade|run" ;;
 esac

@@ -56,3 +56,34 @@ def moto_s3() -> Iterator[tuple[dict[str, str], subprocess.Popen]]:
         os.killpg(proc.pid, signal.SIGCONT)  # if a fault left it stopped (SIGSTOP)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+SERVICE_USER = "mlflow-tracking"  # the user server/tracking.sh runs the service as, started as root
+
+
+def let_the_service_user_reach(*paths: Path, user: str = SERVICE_USER) -> None:
+    """Started as root, server/tracking.sh runs the service as ``user`` and refuses to start when
+    that user cannot enter a folder above its data, the project or its Python (a pyenv under
+    /root, here and on CI). This gives ``user`` (made as tracking.sh makes it, if missing) the
+    right to pass through each such folder above ``paths`` (setfacl's ``x``, nothing else), as
+    its refusal says to. It stays given: tests on several workers share it."""
+    if os.getuid() != 0:
+        return  # the service runs as the caller, who reaches all of it
+    if subprocess.run(["id", "-u", user], capture_output=True).returncode != 0:
+        subprocess.run(
+            [
+                *("useradd", "--system", "--user-group", "--no-create-home"),
+                *("--home-dir", "/var/lib/mlflow-tracking", "--shell", "/usr/sbin/nologin", user),
+            ],
+            check=True,
+        )
+    folders = [str(folder) for path in paths for folder in reversed(path.resolve().parents)]
+    check = 'for d; do test -x "$d" || echo "$d"; done'
+    closed = subprocess.run(
+        ["runuser", "-u", user, "--", "bash", "-c", check, "_", *dict.fromkeys(folders)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for folder in closed.splitlines():
+        subprocess.run(["setfacl", "-m", f"u:{user}:x", folder], check=True)

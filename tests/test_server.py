@@ -1,14 +1,24 @@
 """server/tracking.sh, the team's tracking service (docs/tracking-server.md), run for real:
-PostgreSQL, MLflow's basic-auth server with its artifacts proxied to a (moto) S3 bucket, caddy's
-TLS in front, all kept running by supervisord."""
+PostgreSQL, MLflow's basic-auth server on a Unix socket with its artifacts proxied to a (moto) S3
+bucket, caddy's TLS in front, all kept running by supervisord as the service's own user.
 
+One service, started once as the page shows (``service``, module-scoped), serves every check of
+its threat model in turn, then the lifecycle test: a job over TLS, a crash, backup and restore,
+upgrade, stop, the systemd units' commands."""
+
+import base64
+import configparser
 import contextlib
+import http.client
 import os
+import pwd
 import re
+import shlex
 import shutil
 import signal
 import socket
 import ssl
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -16,19 +26,28 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import boto3
 import psutil
 import pytest
+import requests
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
+from mlflow.server.auth.client import AuthServiceClient
 
+from src.template.tracking.store import TrackingError, prepare_store
 from tests.conftest import PROJECT, files_holding, one_error_line, run_entry, tiny_overrides
+from tests.local_servers import SERVICE_USER, let_the_service_user_reach, moto_s3
 from tests.test_readme import arguments, override, shown
 
 SCRIPT = PROJECT / "server" / "tracking.sh"
 UNIT = PROJECT / "server" / "mlflow-tracking.service"
+BACKUP_UNIT = PROJECT / "server" / "mlflow-tracking-backup.service"
+UNITS = [UNIT, BACKUP_UNIT, PROJECT / "server" / "mlflow-tracking-backup.timer"]
 ADMIN_PASSWORD = "admin-pass-0123"
 BOB_PASSWORD = "bob-pass-456789"
 BUCKET_LOGIN = {
@@ -36,6 +55,11 @@ BUCKET_LOGIN = {
     "aws_secret_access_key": "test",
     "region_name": "us-east-1",
 }
+# The machine's own Python, for a local user without rights on the service (this venv's may be
+# under a folder closed to it, as /root is).
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+# The tests that share the module's one service: one xdist worker runs them, in file order.
+SHARED = pytest.mark.xdist_group("tracking-service")
 
 
 def tracking(
@@ -97,6 +121,78 @@ def test_commands_on_a_folder_without_a_service_say_how_to_start_one(tmp_path: P
         assert "no tracking service in" in proc.stderr and "tracking.sh start" in proc.stderr
 
 
+def test_a_start_as_root_whose_user_cannot_reach_python_says_which_folder(tmp_path: Path) -> None:
+    """Started as root, the service runs as a user of its own, who may not enter the folder this
+    venv's interpreter is under (a pyenv in /root, say): refused in one line that names the
+    folder and the fix, before anything is made."""
+    interpreter = Path(sys.executable).resolve()
+    closed = [
+        folder
+        for folder in reversed(interpreter.parents)
+        if not folder.stat().st_mode & 0o001  # `nobody` enters none but the world's
+    ]
+    if os.getuid() != 0 or not closed:
+        pytest.skip("needs root, and this venv's Python under a folder closed to other users")
+    parent = Path(tempfile.mkdtemp(prefix="tracking-service-"))  # one nobody may enter
+    parent.chmod(0o711)
+    data = parent / "service"
+    env = service_env(
+        data,
+        TRACKING_SERVICE_USER="nobody",
+        TRACKING_ARTIFACTS="s3://team/mlflow",
+        MLFLOW_AUTH_ADMIN_PASSWORD=ADMIN_PASSWORD,
+        AWS_ACCESS_KEY_ID="test",
+        AWS_SECRET_ACCESS_KEY="test",
+    )
+    try:
+        proc = tracking("start", env=env, check=False)
+        assert not data.exists()
+    finally:
+        shutil.rmtree(parent)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        f"Error: the service's user nobody cannot enter {closed[0]} (above the data folder, "
+        "this project or its Python): install the project and its virtual environment where "
+        "that user may read them, e.g. /opt (docs/tracking-server.md), or let it pass: "
+        f"setfacl -m u:nobody:x {closed[0]}"
+    )
+
+
+def test_a_data_folder_of_an_earlier_layout_is_not_started_but_moved(tmp_path: Path) -> None:
+    """A service made before it had a user and a socket of its own (MLflow on a TCP port, as
+    the database's superuser) is not started as it is: the line says how to move its data."""
+    data = tmp_path / "service"
+    data.mkdir()
+    (data / "settings.env").write_text("HOST=vm\nPORT=8443\nWORKERS=4\nMLFLOW_PORT=41234\n")
+    proc = tracking("start", env=service_env(data), check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        f"Error: {data} was made by an earlier tracking.sh (MLflow on a TCP port, as "
+        "PostgreSQL's superuser): move its data to a new service: backup, stop, start one in a "
+        "new TRACKING_DATA, restore (docs/tracking-server.md: Upgrades)"
+    )
+
+
+def test_the_systemd_units_are_valid() -> None:
+    """The service's unit, and the daily backup's service and timer, as systemd reads them: no
+    unknown setting, every command there (with the project where this checkout is)."""
+    verify = shutil.which("systemd-analyze")
+    if verify is None:
+        pytest.skip("systemd-analyze is not installed")
+    folder = Path(tempfile.mkdtemp(prefix="units-"))
+    try:
+        for unit in UNITS:
+            (folder / unit.name).write_text(
+                unit.read_text().replace("/opt/lightning-ddp-template", str(PROJECT))
+            )
+        proc = subprocess.run(
+            [verify, "verify", *sorted(map(str, folder.iterdir()))], capture_output=True, text=True
+        )
+        assert proc.returncode == 0 and proc.stdout + proc.stderr == "", proc.stderr
+    finally:
+        shutil.rmtree(folder)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -154,33 +250,587 @@ def machine_name() -> str:
     return name.stdout.strip()
 
 
-def host_check(port: int, host: str) -> str:
-    """What the MLflow server (behind caddy, on 127.0.0.1:``port``) answers a request that names
-    ``host``: its host check refuses names it does not serve (DNS rebinding)."""
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search", headers={"Host": host}
+def answers(url: str, cert: str) -> bool:
+    """Whether the service answers ``/health`` through TLS, checked against ``cert`` (a
+    certificate caddy is still writing is not one yet: ssl.SSLError is an OSError)."""
+    try:
+        tls = ssl.create_default_context(cafile=cert)
+        with urllib.request.urlopen(f"{url}/health", timeout=5, context=tls) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def wait_until_it_answers(url: str, cert: str, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not answers(url, cert):
+        assert time.monotonic() < deadline, f"{url} did not answer in {timeout_s} s"
+        time.sleep(0.5)
+
+
+def unit_settings(unit: Path, key: str) -> list[str]:
+    """Every value a unit file gives ``key`` (``Environment=`` may come several times)."""
+    prefix = f"{key}="
+    return [
+        line[len(prefix) :] for line in unit.read_text().splitlines() if line.startswith(prefix)
+    ]
+
+
+def unit_command(unit: Path) -> list[str]:
+    """A unit's ExecStart as systemd runs it, with the project where this checkout is: quotes
+    split as a shell does, ``$$`` and ``%%`` (systemd's escapes) as ``$`` and ``%``."""
+    (line,) = unit_settings(unit, "ExecStart")
+    line = line.replace("/opt/lightning-ddp-template", str(PROJECT))
+    return [word.replace("$$", "$").replace("%%", "%") for word in shlex.split(line)]
+
+
+def as_unit_user(unit: Path, env: dict[str, str]) -> dict[str, Any]:
+    """``subprocess`` arguments that run a command as the unit's ``User=`` with ``env``, as
+    systemd does (root here): it switches user before it starts the command, and sets HOME,
+    USER and LOGNAME to that user's."""
+    (user,) = unit_settings(unit, "User")
+    if os.getuid() != 0:
+        return {"env": env}
+    home = pwd.getpwnam(user).pw_dir
+    env = {**env, "HOME": home, "USER": user, "LOGNAME": user}
+    return {"user": user, "group": user, "extra_groups": [], "env": env}
+
+
+def assert_the_units_command_serves_until_sigterm(env: dict[str, str], url: str, cert: str) -> None:
+    """What systemd does with the unit: run its ExecStart as its user (supervisord in the
+    foreground, on the data the first start made) and, to stop it, SIGTERM that process
+    (KillMode=mixed): all of the service ends."""
+    service = subprocess.Popen(
+        unit_command(UNIT), stdout=subprocess.DEVNULL, **as_unit_user(UNIT, env)
     )
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.read().decode()
+        deadline = time.monotonic() + 90
+        while not answers(url, cert):
+            assert service.poll() is None, "the unit's command ended"
+            assert time.monotonic() < deadline, "the unit's command did not serve in 90 s"
+            time.sleep(0.5)
+        main = psutil.Process(service.pid)
+        assert main.name().startswith("supervisord") or "supervisord" in " ".join(main.cmdline())
+        running = [main, *main.children(recursive=True)]
+        service.send_signal(signal.SIGTERM)
+        service.wait(timeout=60)
+        assert not [p for p in running if alive(p)], "SIGTERM left processes running"
+    finally:
+        if service.poll() is None:
+            service.kill()
 
 
-def cross_origin_write(port: int, host: str, origin: str) -> tuple[int, str]:
-    """What the MLflow server answers a state-changing API call that a web page at ``origin``
-    makes (its CORS check blocks origins it does not serve, before any sign-in)."""
+def assert_the_backup_timers_command_keeps_a_days_backup(env: dict[str, str], tmp: Path) -> None:
+    """mlflow-tracking-backup.service's command, as its user with its state folder (in ``tmp``,
+    a folder that user may enter), as the timer starts it each day: both databases in the
+    weekday's folder, the user's only."""
+    backups = tmp / "backups"
+    backups.mkdir(mode=0o700)
+    if os.getuid() == 0:
+        shutil.chown(backups, SERVICE_USER, SERVICE_USER)
+    (data,) = [v.split("=", 1)[1] for v in unit_settings(BACKUP_UNIT, "Environment")]
+    assert data == "/var/lib/mlflow-tracking" == unit_settings(UNIT, "Environment")[0].split("=")[1]
+    unit_env = {"PATH": "/usr/bin:/bin", "TRACKING_DATA": env["TRACKING_DATA"]}
+    proc = subprocess.run(
+        unit_command(BACKUP_UNIT),
+        capture_output=True,
+        text=True,
+        **as_unit_user(BACKUP_UNIT, {**unit_env, "STATE_DIRECTORY": str(backups)}),
+    )
+    assert proc.returncode == 0, proc.stderr
+    (day,) = backups.iterdir()
+    assert day.name == time.strftime("%A")
+    dumps = sorted(day.iterdir())
+    assert [d.name for d in dumps] == ["mlflow.dump", "mlflow_auth.dump"]
+    assert all(d.stat().st_mode & 0o777 == 0o600 and d.stat().st_size > 1000 for d in dumps)
+
+
+@pytest.fixture
+def service_data() -> Iterator[Path]:
+    """A data folder the service's user may reach (pytest's own are their owner's only), removed
+    after the test; whatever the test left running there is ended first."""
+    parent = Path(tempfile.mkdtemp(prefix="tracking-service-"))
+    parent.chmod(0o711)
+    let_the_service_user_reach(Path(sys.executable), SCRIPT, parent / "service")
+    try:
+        yield parent / "service"
+    finally:
+        end_what_is_left(parent / "service")
+        shutil.rmtree(parent)
+
+
+def end_what_is_left(data: Path) -> None:
+    """After a failed test: supervisord and its programs, and the last mlflow server's process
+    group (its uvicorn processes outlive a killed server)."""
+    leftovers = []
+    for pid_file in (data / "supervisord.pid", data / "mlflow.pgid"):
+        if pid_file.exists():
+            leftovers += group(int(pid_file.read_text()))
+    supervisor_pid = data / "supervisord.pid"
+    if supervisor_pid.exists() and psutil.pid_exists(int(supervisor_pid.read_text())):
+        leftovers += psutil.Process(int(supervisor_pid.read_text())).children(recursive=True)
+    for process in leftovers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+
+
+@dataclass
+class Service:
+    """The module's service: its environment (the admin's), data folder, URL, CA certificate."""
+
+    env: dict[str, str]
+    data: Path
+    url: str
+    cert: str
+    s3: Any
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rpartition(":")[2])
+
+    @property
+    def host(self) -> str:
+        return self.url.removeprefix("https://").rpartition(":")[0]
+
+    def add_user(self, name: str, password: str) -> None:
+        """``add-user``, as the admin types it."""
+        tracking("add-user", name, env={**self.env, "TRACKING_USER_PASSWORD": password})
+
+    def account(self, name: str, password: str) -> None:
+        """An account for a test to sign in with, made through MLflow's API in this process
+        (add-user's own checks are the lifecycle test's): seconds less than a new process."""
+        with self.client("admin", ADMIN_PASSWORD):
+            AuthServiceClient(self.url).create_user(name, password)
+
+    @contextlib.contextmanager
+    def client(self, name: str, password: str) -> Iterator[MlflowClient]:
+        """MLflow's client, signed in as ``name`` (MLflow's variables, as a job sets them)."""
+        with pytest.MonkeyPatch.context() as login:
+            login.setenv("MLFLOW_TRACKING_USERNAME", name)
+            login.setenv("MLFLOW_TRACKING_PASSWORD", password)
+            login.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", self.cert)
+            yield MlflowClient(self.url)
+
+    def supervisorctl(self, *command: str) -> None:
+        conf = str(self.data / "supervisord.conf")
+        subprocess.run(["supervisorctl", "-c", conf, *command], env=self.env, check=True)
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[Service]:
+    """The page's ``start`` (no TRACKING_HOST: the service takes this machine's name, as on a
+    team's VM), as root here: the service runs as its own user. Stopped at the end, with
+    whatever it left."""
+    parent = Path(tempfile.mkdtemp(prefix="tracking-service-"))
+    parent.chmod(0o711)
+    data = parent / "service"
+    let_the_service_user_reach(Path(sys.executable), SCRIPT, data)
+    with moto_s3() as (bucket, _):
+        s3 = boto3.client("s3", **BUCKET_LOGIN, endpoint_url=bucket["AWS_ENDPOINT_URL"])
+        s3.create_bucket(Bucket="team")
+        env = service_env(
+            data,
+            **bucket,
+            MLFLOW_S3_ENDPOINT_URL=bucket["AWS_ENDPOINT_URL"],
+            TRACKING_PORT=str(free_port()),
+            TRACKING_ARTIFACTS="s3://team/mlflow",
+            TRACKING_WORKERS="2",
+            MLFLOW_AUTH_ADMIN_PASSWORD=ADMIN_PASSWORD,
+        )
+        try:
+            started = tracking(*on_page("bash server/tracking.sh start"), env=env).stdout
+            url = re.search(r"logger\.tracking_uri=(https://\S+)", started)[1]
+            cert = re.search(r"MLFLOW_TRACKING_SERVER_CERT_PATH=(\S+)", started)[1]
+            assert url == f"https://{machine_name()}:{env['TRACKING_PORT']}"
+            yield Service(env, data, url, cert, s3)
+        finally:
+            tracking("stop", env=env, check=False)
+            end_what_is_left(data)
+            shutil.rmtree(parent)
+
+
+def as_nobody(program: str, *args: str, stdin: str = "") -> list[str]:
+    """The lines a Python ``program`` prints when ``nobody`` runs it: a local user of the VM with
+    no rights on the service."""
+    if os.getuid() != 0 or SYSTEM_PYTHON is None:
+        pytest.skip("needs root (to act as nobody) and the machine's own python3")
+    proc = subprocess.run(
+        ["runuser", "-u", "nobody", "--", SYSTEM_PYTHON, "-c", program, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
+
+
+# Connect to, then bind, the Unix socket argv[1]: what each attempt raised ("ok" if nothing).
+TAKE_SOCKET = """
+import socket, sys
+for attempt in ("connect", "bind"):
+    try:
+        getattr(socket.socket(socket.AF_UNIX), attempt)(sys.argv[1])
+        print(attempt, "ok")
+    except OSError as error:
+        print(attempt, type(error).__name__)
+"""
+
+
+@pytest.mark.slow
+@SHARED
+def test_no_local_user_reaches_mlflow_or_takes_its_place(service: Service) -> None:
+    """MLflow listens on no TCP port but a Unix socket in a folder only the service's user
+    enters: another local user can neither send it requests nor, while it is down (a crash, an
+    upgrade, a restore), bind its place and receive every client's password."""
+    assert "MLFLOW_PORT" not in (service.data / "settings.env").read_text()
+    mlflow = group(program_pids(service.env)["mlflow"])
+    assert mlflow and all(p.username() == SERVICE_USER for p in mlflow)
+    tcp = [c for p in mlflow for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert tcp == [], "MLflow listens on no TCP port"
+    place = service.data / "sockets" / "mlflow.sock"
+    assert place.is_socket()
+    refused = ["connect", "PermissionError", "bind", "PermissionError"]
+    assert as_nobody(TAKE_SOCKET, str(place)) == refused
+    service.supervisorctl("stop", "mlflow")
+    try:
+        assert not answers(service.url, service.cert)
+        assert as_nobody(TAKE_SOCKET, str(place)) == refused, "nor while MLflow is down"
+    finally:
+        service.supervisorctl("start", "mlflow")
+    wait_until_it_answers(service.url, service.cert)
+
+
+# Open each path of standard input (list a folder): those it could.
+READ_EACH = """
+import os, sys
+for path in sys.stdin.read().splitlines():
+    try:
+        os.listdir(path) if os.path.isdir(path) else open(path, "rb").close()
+        print(path)
+    except OSError:
+        pass
+"""
+
+
+@pytest.mark.slow
+@SHARED
+def test_no_other_local_user_reads_any_file_of_the_data_folder(service: Service) -> None:
+    """Every file and folder of the data folder (the database, caddy's keys, the logs,
+    settings.env) is the service's user's only: another local user opens none. MLflow's socket
+    is the one entry open to all (uvicorn makes it so), in a folder closed to them."""
+    paths = [service.data, *service.data.rglob("*")]
+    assert len(paths) > 100 and all(p.owner() == SERVICE_USER for p in paths)
+    assert as_nobody(READ_EACH, stdin="\n".join(map(str, paths))) == []
+    open_to_others = [p.name for p in paths if p.lstat().st_mode & 0o077]
+    assert open_to_others == ["mlflow.sock"]
+    assert (service.data / "sockets").stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.slow
+@SHARED
+def test_secrets_reach_only_the_program_that_needs_each(service: Service) -> None:
+    """The bucket's secret key is in the MLflow server's environment (and supervisord's, which
+    restarts it), not in PostgreSQL's or caddy's; the admin's password in none. MLflow signs in
+    to PostgreSQL as a role that owns its two databases and may not read the server's files
+    (/proc/<pid>/environ, say)."""
+    secret = service.env["AWS_SECRET_ACCESS_KEY"]
+    pids = program_pids(service.env)
+    supervisor = int((service.data / "supervisord.pid").read_text())
+
+    def environment(pid: int) -> dict[str, str]:
+        return psutil.Process(pid).environ()
+
+    for name, pid in [*pids.items(), ("supervisord", supervisor)]:
+        values = environment(pid).values()
+        assert ADMIN_PASSWORD not in values, name
+        assert (secret in values) == (name in ("mlflow", "supervisord")), name
+    psql = ["psql", "-h", str(service.data / "sockets"), "-U", "mlflow", "-d", "mlflow", "-Atc"]
+    role = "SELECT rolsuper, rolcreaterole, rolcreatedb FROM pg_roles WHERE rolname = 'mlflow'"
+    assert subprocess.run([*psql, role], capture_output=True, text=True).stdout == "f|f|f\n"
+    owned = "SELECT string_agg(datname, ',' ORDER BY datname) FROM pg_database WHERE "
+    owned += "pg_get_userbyid(datdba) = 'mlflow'"
+    assert subprocess.run([*psql, owned], capture_output=True, text=True).stdout == (
+        "mlflow,mlflow_auth\n"
+    )
+    read = f"SELECT pg_read_file('/proc/{pids['mlflow']}/environ')"
+    proc = subprocess.run([*psql, read], capture_output=True, text=True)
+    assert proc.returncode != 0 and "permission denied" in proc.stderr
+    other = subprocess.run([*psql[:-2], "postgres", "-Atc", "SELECT 1"], capture_output=True)
+    assert other.returncode != 0, "nor connect to PostgreSQL's own database"
+
+
+def request_from(
+    service: Service, source: str, path: str, login: tuple[str, str] | None = None, **headers: str
+) -> tuple[int, dict[str, str], str]:
+    """A GET through caddy's TLS from local address ``source`` (any of 127.0.0.0/8: the service
+    counts wrong passwords per address), signed in as ``login``: status, headers, body."""
+    if login:
+        headers["Authorization"] = "Basic " + base64.b64encode(":".join(login).encode()).decode()
+    head = f"GET {path} HTTP/1.1\r\nHost: {service.host}:{service.port}\r\nConnection: close\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers.items()) + "\r\n"
+    tls = ssl.create_default_context(cafile=service.cert)
+    address = ("127.0.0.1", service.port)
+    with (
+        socket.create_connection(address, timeout=60, source_address=(source, 0)) as raw,
+        tls.wrap_socket(raw, server_hostname=service.host) as connection,
+    ):
+        connection.sendall(head.encode())
+        response = http.client.HTTPResponse(connection)
+        response.begin()
+        return response.status, dict(response.getheaders()), response.read().decode()
+
+
+def sign_in_seconds(service: Service, source: str, login: tuple[str, str]) -> float:
+    started = time.perf_counter()
+    status, _, _ = request_from(service, source, PROBE, login)
+    assert status == 401
+    return time.perf_counter() - started
+
+
+PROBE = "/api/2.0/mlflow/experiments/search?max_results=1"
+
+
+@pytest.mark.slow
+@SHARED
+def test_wrong_passwords_are_limited_per_account_and_per_address(service: Service) -> None:
+    """Past the limits of server/basic_auth.ini, sign-ins of the account (from any address) or
+    from the address (for any account) are refused with HTTP 429 until the window ends, the
+    right password too; other accounts and addresses are not. A wrong password for a name no
+    account has takes as long as for a real account's."""
+    limits = configparser.ConfigParser()
+    limits.read(PROJECT / "server" / "basic_auth.ini")
+    per_account = limits.getint("tracking", "wrong_passwords_per_account")
+    per_address = limits.getint("tracking", "wrong_passwords_per_address")
+    service.account("dana", "dana-pass-2468")
+    known, unknown = [], []
+    for attempt in range(6):
+        known.append(sign_in_seconds(service, "127.0.0.2", ("dana", f"guess-{attempt}")))
+        unknown.append(sign_in_seconds(service, "127.0.0.2", (f"nobody{attempt}", "guess")))
+    ratio = statistics.median(known) / statistics.median(unknown)
+    assert 1 / 3 < ratio < 3, f"known {known}, unknown {unknown}"
+    for attempt in range(6, per_account):
+        assert request_from(service, "127.0.0.3", PROBE, ("dana", f"guess-{attempt}"))[0] == 401
+    for source in ("127.0.0.3", "127.0.0.4"):
+        status, _, body = request_from(service, source, PROBE, ("dana", "dana-pass-2468"))
+        assert status == 429, body
+        wait = re.fullmatch(
+            r"Too many wrong passwords for this account or from this address: sign-ins are "
+            r"refused for (\d+) s more \(docs/tracking-server.md: Threat model\)\n",
+            body,
+        )
+        assert wait and 0 < int(wait[1]) <= limits.getint("tracking", "window_s"), body
+    with service.client("dana", "dana-pass-2468"), pytest.raises(TrackingError) as job:
+        prepare_store(service.url, "mnist")  # what dana's job says
+    assert str(job.value) == (
+        f"MLflow server {service.url} refuses sign-ins for a while (HTTP 429: too many wrong "
+        "passwords for this account or from this address). Wait, then check "
+        "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+    )
+    admin = ("admin", ADMIN_PASSWORD)
+    assert request_from(service, "127.0.0.3", PROBE, admin)[0] == 200, "another account signs in"
+
+    def guess(attempt: int) -> int:
+        return request_from(service, "127.0.0.5", PROBE, (f"name{attempt}", "guess"))[0]
+
+    with ThreadPoolExecutor(4) as pool:
+        assert set(pool.map(guess, range(per_address))) == {401}
+    assert request_from(service, "127.0.0.5", PROBE, admin)[0] == 429, "the address is refused"
+    assert request_from(service, "127.0.0.6", PROBE, admin)[0] == 200, "another address is not"
+
+
+@dataclass
+class PrivateRun:
+    """pat's run in pat's private experiment, a file of it, and the model version made from it."""
+
+    experiment: str
+    run_id: str
+    source: str
+
+
+PAT = ("pat", "pat-pass-1357")
+SAM = ("sam", "sam-pass-2468")
+TESS = ("tess", "tess-pass-3579")
+
+
+@pytest.fixture(scope="module")
+def private_run(service: Service, tmp_path_factory: pytest.TempPathFactory) -> PrivateRun:
+    """sam's account, then pat's experiment made private (the page's ``grant others ... NONE``),
+    then tess's account: a run of pat's with a file, registered as pat-model version 1."""
+    service.account(*SAM)
+    service.account(*PAT)
+    with service.client(*PAT) as pat:
+        experiment = pat.create_experiment("pat-private")
+        run_id = pat.create_run(experiment).info.run_id
+        weights = tmp_path_factory.mktemp("pat") / "weights.txt"
+        weights.write_text("pat's weights")
+        pat.log_artifact(run_id, str(weights), "model")
+        source = f"{pat.get_run(run_id).info.artifact_uri}/model"
+        pat.create_registered_model("pat-model")
+        pat.create_model_version("pat-model", source=source, run_id=run_id)
+    private = on_page("bash server/tracking.sh grant others mnist NONE")
+    private[private.index("mnist")] = "pat-private"
+    assert "is private" in tracking(*private, env=service.env).stdout
+    service.add_user(*TESS)
+    return PrivateRun(experiment, run_id, source)
+
+
+def graphql_model_versions(service: Service, login: tuple[str, str], name: str) -> list[dict]:
+    """The model versions of ``name`` as the web UI asks for them (GraphQL), lineage included."""
+    fields = "name version runId runLink source"
+    query = f"{{ mlflowSearchModelVersions(input: {{filter: \"name = '{name}'\"}}) "
+    query += f"{{ modelVersions {{ {fields} }} }} }}"
+    answer = requests.post(
+        f"{service.url}/graphql", json={"query": query}, auth=login, verify=service.cert, timeout=60
+    )
+    return answer.json()["data"]["mlflowSearchModelVersions"]["modelVersions"]
+
+
+def refused(call, *args: Any, **kwargs: Any) -> str:
+    """The error code MLflow's client raised for ``call`` (fails if it did not raise)."""
+    with pytest.raises(MlflowException) as error:
+        call(*args, **kwargs)
+    return error.value.error_code
+
+
+@pytest.mark.slow
+@SHARED
+def test_a_private_experiment_and_its_models_lineage_are_closed_to_others(
+    service: Service, private_run: PrivateRun, tmp_path: Path
+) -> None:
+    """After ``grant others EXPERIMENT NONE`` an account without a permission of its own on it
+    (made before, or after) reads none of it, and a registered model made from its run shows
+    that account no run id, run link or source; ``grant NAME EXPERIMENT READ`` opens it to one."""
+    run_id = private_run.run_id
+    for login in (SAM, TESS):
+        with service.client(*login) as other:
+            assert refused(other.get_experiment, private_run.experiment) == "PERMISSION_DENIED"
+            assert refused(other.get_run, run_id) == "PERMISSION_DENIED"
+            assert other.search_runs([private_run.experiment]) == [], "searches leave it out"
+            assert refused(other.download_artifacts, run_id, "model", str(tmp_path)) in (
+                "PERMISSION_DENIED",
+                "INTERNAL_ERROR",  # the artifact proxy's 403, as MLflow's client words it
+            )
+            version = other.get_model_version("pat-model", "1")
+            assert (version.run_id, version.source, version.run_link) == (None, "", "")
+            (latest,) = other.get_registered_model("pat-model").latest_versions
+            assert (latest.run_id, latest.source) == (None, "")
+            (found,) = other.search_model_versions("name = 'pat-model'")
+            assert (found.run_id, found.source) == (None, "")
+        assert graphql_model_versions(service, login, "pat-model") == [
+            {"name": "pat-model", "version": "1"}  # the UI's query, less its lineage
+        ]
+    with service.client(*PAT) as pat:
+        assert pat.get_model_version("pat-model", "1").run_id == run_id, "its owner sees it all"
+    (seen,) = graphql_model_versions(service, PAT, "pat-model")
+    assert seen["runId"] == run_id and seen["source"] == private_run.source
+    tracking("grant", "sam", "pat-private", "READ", env=service.env)
+    with service.client(*SAM) as sam:
+        assert sam.get_run(run_id).info.run_id == run_id
+        assert sam.get_model_version("pat-model", "1").source == private_run.source
+
+
+def model_version_file(service: Service, login: tuple[str, str], name: str) -> tuple[int, str]:
+    """``/model-versions/get-artifact`` of version 1's ``weights.txt``: status and body."""
+    path = f"/model-versions/get-artifact?name={name}&version=1&path=weights.txt"
+    assert request_from(service, "127.0.0.1", path)[0] == 401, "not without signing in"
+    status, _, body = request_from(service, "127.0.0.1", path, login)
+    return status, body
+
+
+@pytest.mark.slow
+@SHARED
+def test_a_model_version_is_refused_for_a_source_the_account_may_not_read(
+    service: Service, private_run: PrivateRun
+) -> None:
+    """tess may not read pat's run: she can neither download pat-model's files nor make a model
+    version of her own from pat's run (its runs:/ or mlflow-artifacts:/ URI), from a copy of
+    pat-model, or from a bucket path (which the server's credentials would read); a version
+    made before this check with a bucket source is refused too."""
+    assert model_version_file(service, PAT, "pat-model") == (200, "pat's weights")
+    status, body = model_version_file(service, TESS, "pat-model")
+    assert status == 403 and "tess may not read the run this model version was made from" in body
+    status, _, body = request_from(
+        service,
+        "127.0.0.1",
+        "/api/2.0/mlflow/model-versions/get-download-uri?name=pat-model&version=1",
+        TESS,
+    )
+    assert status == 403, body
+    run_id = private_run.run_id
+    bucket_path = f"s3://team/mlflow/{private_run.experiment}/{run_id}/artifacts/model"
+    with service.client(*TESS) as tess:
+        own_run = tess.create_run(tess.create_experiment("tess")).info.run_id
+        tess.create_registered_model("tess-model")
+        create = tess.create_model_version
+        assert refused(create, "tess-model", bucket_path) == "INVALID_PARAMETER_VALUE"
+        assert refused(create, "tess-model", private_run.source, own_run) == (
+            "INVALID_PARAMETER_VALUE"
+        )
+        assert refused(create, "tess-model", f"runs:/{run_id}/model", run_id) == (
+            "PERMISSION_DENIED"
+        )
+        assert refused(create, "tess-model", "models:/pat-model/1") == "PERMISSION_DENIED"
+        own_source = f"{tess.get_run(own_run).info.artifact_uri}/model"
+        assert create("tess-model", own_source, own_run).version == "1"
+    earlier = f"UPDATE model_versions SET source = '{bucket_path}', storage_location = "
+    earlier += f"'{bucket_path}' WHERE name = 'tess-model'"
+    sockets = str(service.data / "sockets")
+    subprocess.run(
+        ["psql", "-h", sockets, "-U", "mlflow", "-d", "mlflow", "-qc", earlier], check=True
+    )
+    status, body = model_version_file(service, TESS, "tess-model")
+    assert status == 403 and "source is not a run or model of this server" in body
+
+
+def over_the_socket(service: Service, method: str, path: str, **headers: str) -> tuple[int, str]:
+    """A request straight to MLflow's Unix socket (root's, here): status and body."""
+    connection = http.client.HTTPConnection("localhost")
+    connection.sock = socket.socket(socket.AF_UNIX)
+    connection.sock.connect(str(service.data / "sockets" / "mlflow.sock"))
+    connection.request(method, path, headers=headers)
+    response = connection.getresponse()
+    return response.status, response.read().decode()
+
+
+def cross_origin_write(service: Service, origin: str) -> tuple[int, str]:
+    """What the service answers a state-changing API call that a web page at ``origin`` makes
+    with a browser's saved credentials (caddy refuses other origins before any sign-in)."""
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/create",
+        f"{service.url}/api/2.0/mlflow/experiments/create",
         data=b'{"name": "from-a-page"}',
-        headers={"Host": host, "Origin": origin, "Content-Type": "application/json"},
+        headers={"Origin": origin, "Content-Type": "application/json"},
         method="POST",
     )
+    tls = ssl.create_default_context(cafile=service.cert)
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=10, context=tls) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
+
+
+@pytest.mark.slow
+@SHARED
+def test_the_edge_serves_its_own_name_and_origin_on_one_tcp_port(service: Service) -> None:
+    """caddy: one TCP port (no HTTP/3 on UDP); requests from web pages of any other origin,
+    http://localhost:* and http://127.0.0.1:* included, refused; MLflow's host check takes the
+    service's name only (DNS rebinding: localhost, 127.0.0.1 and others are refused)."""
+    caddy = psutil.Process(program_pids(service.env)["caddy"])
+    assert [c.laddr.port for c in caddy.net_connections("tcp") if c.status == "LISTEN"] == [
+        service.port
+    ]
+    assert caddy.net_connections("udp") == [], "no HTTP/3 listener"
+    blocked = (403, "Cross-origin request blocked")
+    for origin in ("http://localhost:3000", "http://127.0.0.1:5000", "https://evil.example"):
+        assert cross_origin_write(service, origin) == blocked, origin
+    status, _ = cross_origin_write(service, service.url)
+    assert status == 401, "the page the service serves gets as far as the sign-in"
+    served = f"{service.host}:{service.port}"
+    for other in ("evil.example", "localhost", "127.0.0.1", f"127.0.0.1:{service.port}"):
+        _, body = over_the_socket(service, "GET", PROBE, Host=other)
+        assert "DNS rebinding" in body, f"{other} is not served"
+    assert "DNS rebinding" not in over_the_socket(service, "GET", PROBE, Host=served)[1]
 
 
 def assert_a_restore_brings_back_the_backup(
@@ -214,119 +864,25 @@ def assert_a_start_without_the_buckets_credentials_is_refused(
         "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or give the VM a role), and "
         "MLFLOW_S3_ENDPOINT_URL for an S3-compatible store, as at the first start",
     ]
-    assert not (data / "supervisor.sock").exists(), "nothing was started"
-
-
-def answers(url: str, cert: str) -> bool:
-    """Whether the service answers ``/health`` through TLS, checked against ``cert`` (a
-    certificate caddy is still writing is not one yet: ssl.SSLError is an OSError)."""
-    try:
-        tls = ssl.create_default_context(cafile=cert)
-        with urllib.request.urlopen(f"{url}/health", timeout=5, context=tls) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def unit_command() -> list[str]:
-    """server/mlflow-tracking.service's ExecStart, with the project where this checkout is."""
-    (line,) = [line for line in UNIT.read_text().splitlines() if line.startswith("ExecStart=")]
-    command = line.removeprefix("ExecStart=").replace("/opt/lightning-ddp-template", str(PROJECT))
-    return command.split()
-
-
-def assert_the_units_command_serves_until_sigterm(env: dict[str, str], url: str, cert: str) -> None:
-    """What systemd does with the unit: run its ExecStart (supervisord in the foreground, on the
-    data the first start made) and, to stop it, SIGTERM that process (KillMode=mixed): all of
-    the service ends."""
-    service = subprocess.Popen(unit_command(), env=env, stdout=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 90
-        while not answers(url, cert):
-            assert service.poll() is None, "the unit's command ended"
-            assert time.monotonic() < deadline, "the unit's command did not serve in 90 s"
-            time.sleep(0.5)
-        main = psutil.Process(service.pid)
-        running = [main, *main.children(recursive=True)]
-        service.send_signal(signal.SIGTERM)
-        service.wait(timeout=60)
-        assert not [p for p in running if alive(p)], "SIGTERM left processes running"
-    finally:
-        if service.poll() is None:
-            service.kill()
-
-
-@pytest.fixture
-def service_data() -> Iterator[Path]:
-    """A data folder PostgreSQL's user may reach (pytest's own are its owner's only), removed
-    after the test; whatever the test left running there is ended first."""
-    parent = Path(tempfile.mkdtemp(prefix="tracking-service-"))
-    parent.chmod(0o711)
-    try:
-        yield parent / "service"
-    finally:
-        end_what_is_left(parent / "service")
-        shutil.rmtree(parent)
-
-
-def end_what_is_left(data: Path) -> None:
-    """After a failed test: supervisord and its programs, and the last mlflow server's process
-    group (its uvicorn processes outlive a killed server)."""
-    leftovers = []
-    for pid_file in (data / "supervisord.pid", data / "mlflow.pgid"):
-        if pid_file.exists():
-            leftovers += group(int(pid_file.read_text()))
-    supervisor_pid = data / "supervisord.pid"
-    if supervisor_pid.exists() and psutil.pid_exists(int(supervisor_pid.read_text())):
-        leftovers += psutil.Process(int(supervisor_pid.read_text())).children(recursive=True)
-    for process in leftovers:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
+    assert not (data / "sockets" / "supervisor.sock").exists(), "nothing was started"
 
 
 @pytest.mark.slow
+@SHARED
 def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
-    s3_server: dict[str, str],  # noqa: F811
-    service_data: Path,
+    service: Service,
     tiny_root: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The page's commands: one start brings up the whole service under the machine's name; an
-    account made by add-user logs a job over TLS with its artifacts proxied into the bucket (the
-    job has no bucket credentials) and no password in its files; another account reads that run
-    and may not write into its experiment until the admin grants it; a SIGKILLed mlflow server is
-    restarted by supervisord; backup, restore, upgrade; stop leaves nothing running, and a start
-    without the bucket's credentials is refused; the systemd unit's command serves the same data
-    until SIGTERM."""
-    s3 = boto3.client("s3", **BUCKET_LOGIN, endpoint_url=s3_server["AWS_ENDPOINT_URL"])
-    s3.create_bucket(Bucket="team")
-    env = service_env(
-        service_data,
-        **s3_server,
-        MLFLOW_S3_ENDPOINT_URL=s3_server["AWS_ENDPOINT_URL"],
-        TRACKING_PORT=str(free_port()),
-        TRACKING_ARTIFACTS="s3://team/mlflow",
-        TRACKING_WORKERS="2",
-        MLFLOW_AUTH_ADMIN_PASSWORD=ADMIN_PASSWORD,
-    )  # no TRACKING_HOST: the service takes this machine's name, as on a team's VM
-    started = tracking(*on_page("bash server/tracking.sh start"), env=env).stdout
-    url = re.search(r"logger\.tracking_uri=(https://\S+)", started)[1]
-    cert = re.search(r"MLFLOW_TRACKING_SERVER_CERT_PATH=(\S+)", started)[1]
-    served = url.removeprefix("https://")
-    assert served == f"{machine_name()}:{env['TRACKING_PORT']}"
-    settings = (service_data / "settings.env").read_text()
-    server_port = int(re.search(r"^MLFLOW_PORT=(\d+)$", settings, re.M)[1])
-    # MLflow's default list (localhost, 127.0.0.1, private addresses) is replaced by the name
-    for other in ("evil.example", "localhost", "127.0.0.1", f"127.0.0.1:{env['TRACKING_PORT']}"):
-        assert "DNS rebinding" in host_check(server_port, other), f"{other} is not served"
-    assert "DNS rebinding" not in host_check(server_port, served)
-    assert cross_origin_write(server_port, served, "https://evil.example") == (
-        403,
-        "Cross-origin request blocked",
-    )
-    status, _ = cross_origin_write(server_port, served, url)
-    assert status == 401, "the page the service serves gets as far as the sign-in"
+    """The page's commands: an account made by add-user logs a job over TLS with its artifacts
+    proxied into the bucket (the job has no bucket credentials) and no password in its files;
+    another account reads that run and may not write into its experiment until the admin
+    grants it; the experiment made private is closed to an account made later; a SIGKILLed
+    mlflow server is restarted by supervisord; backup (and the daily timer's), restore,
+    upgrade; stop leaves nothing running, and a start without the bucket's credentials is
+    refused; the systemd unit's command serves the same data as its user until SIGTERM."""
+    env, url, cert, s3 = service.env, service.url, service.cert, service.s3
     added = tracking(*on_page("bash server/tracking.sh add-user ann"), env=env).stdout
     password = re.search(r"Its password \(shown once, give it to ann\): (\S+)", added)[1]
 
@@ -340,14 +896,14 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     job = [*tiny_overrides(tiny_root, model=True), "trainer.max_epochs=1", "hydra.run.dir=run"]
     elsewhere = url.replace(machine_name(), "localhost")  # caddy serves no site for that name
     asked = f"logger.tracking_uri={elsewhere}"
-    refused = run_entry("train", *job, asked, cwd=tmp_path, env=login, check=False)
+    refused_job = run_entry("train", *job, asked, cwd=tmp_path, env=login, check=False)
     assert "serves other names than localhost (tlsv1 alert internal error)" in one_error_line(
-        refused.stderr
+        refused_job.stderr
     )
     assert not (tmp_path / "run").exists(), "no folder for a job that never started"
     run_entry("train", *typed, *job, cwd=tmp_path, env=login)
     assert files_holding(password, tmp_path / "run") == []
-    assert files_holding(ADMIN_PASSWORD, service_data, max_size=10**7) == []
+    assert files_holding(ADMIN_PASSWORD, service.data, max_size=10**7) == []
 
     for name, value in login.items():
         monkeypatch.setenv(name, value)  # MlflowClient signs in with them
@@ -370,6 +926,9 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     granted = tracking(*on_page("bash server/tracking.sh grant bob mnist"), env=env).stdout
     assert "bob has EDIT on experiment mnist" in granted
     client.set_terminated(client.create_run(run.info.experiment_id).info.run_id)  # bob's, now
+    private = tracking(*on_page("bash server/tracking.sh grant others mnist NONE"), env=env)
+    assert "Experiment mnist of" in private.stdout and "is private" in private.stdout
+    client.set_terminated(client.create_run(run.info.experiment_id).info.run_id)  # bob's EDIT stays
     for name, value in login.items():
         monkeypatch.setenv(name, value)
 
@@ -377,16 +936,14 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     crashed = group(killed)  # the `mlflow server` command and its uvicorn processes
     os.kill(killed, signal.SIGKILL)
     deadline = time.monotonic() + 90
-    restarted = service_data / "mlflow.pgid"  # the pid of each mlflow program supervisord starts
+    restarted = service.data / "mlflow.pgid"  # the pid of each mlflow program supervisord starts
     while restarted.read_text().strip() in ("", str(killed)):
         assert time.monotonic() < deadline, "supervisord did not restart the mlflow server"
         time.sleep(0.2)
-    while not answers(url, cert):
-        assert time.monotonic() < deadline, "the restarted server did not answer"
-        time.sleep(0.5)
+    wait_until_it_answers(url, cert)
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
     assert not [p for p in crashed if alive(p)], "the crashed server's workers linger"
-    supervisor = psutil.Process(int((service_data / "supervisord.pid").read_text()))
+    supervisor = psutil.Process(int((service.data / "supervisord.pid").read_text()))
     assert psutil.Process(int(restarted.read_text())).ppid() == supervisor.pid
 
     backup = on_page("bash server/tracking.sh backup mlflow-backup")
@@ -395,7 +952,10 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
         dump = tmp_path / "mlflow-backup" / f"{database}.dump"
         assert dump.stat().st_size > 1000
         assert dump.stat().st_mode & 0o777 == 0o600, "the accounts' hashes are the owner's only"
+    assert_the_backup_timers_command_keeps_a_days_backup(env, service.data.parent)
     assert_a_restore_brings_back_the_backup(client, env, tmp_path, run.info.run_id)
+    with service.client("carl", BOB_PASSWORD) as carl:
+        assert refused(carl.get_run, run.info.run_id) == "PERMISSION_DENIED", "mnist is private"
     assert "Upgraded" in tracking(*on_page("bash server/tracking.sh upgrade"), env=env).stdout
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
 
@@ -403,7 +963,7 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     assert len(running) >= 5  # supervisord, postgres and its workers, mlflow and uvicorn, caddy
     assert "Stopped" in tracking(*on_page("bash server/tracking.sh stop"), env=env).stdout
     assert not [p for p in running if alive(p)], "stop left processes running"
-    assert_a_start_without_the_buckets_credentials_is_refused(env, service_data)
+    assert_a_start_without_the_buckets_credentials_is_refused(env, service.data)
 
     unit_env = {name: value for name, value in env.items() if name != "MLFLOW_AUTH_ADMIN_PASSWORD"}
     assert_the_units_command_serves_until_sigterm(unit_env, url, cert)

@@ -262,9 +262,10 @@ def test_a_tls_server_untrusted_or_asked_in_plain_http_ends_in_one_line(
     tls_server: tuple[str, Path], tiny_root: Path, tmp_path: Path
 ) -> None:
     """Against an HTTPS-only server: its certificate not trusted, its address given as http://,
-    a name its certificate is not for, or a CA certificate path that is no file: each ends the
-    job in one line naming the cause and the fix, with no output folder and no run; with
-    MLFLOW_TRACKING_SERVER_CERT_PATH set the job logs a FINISHED run."""
+    a name its certificate is not for, a CA certificate path that is no file, or one set but
+    empty (MLflow would check no certificate at all): each ends the job in one line naming the
+    cause and the fix, with no output folder and no run; with MLFLOW_TRACKING_SERVER_CERT_PATH
+    set the job logs a FINISHED run."""
     url, certificate = tls_server
     job = [*tiny_overrides(tiny_root, model=True), "trainer.max_epochs=1"]
     plain = url.replace("https://", "http://")
@@ -276,6 +277,7 @@ def test_a_tls_server_untrusted_or_asked_in_plain_http_ends_in_one_line(
         (plain, {}, f"answers only HTTPS: use logger.tracking_uri={url}"),
         (by_name, trusted, "serves other names than localhost (Hostname mismatch"),
         (url, missing, f"{CERTIFICATE}={missing[CERTIFICATE]} is not a file"),
+        (url, {CERTIFICATE: ""}, f"{CERTIFICATE} is set but empty, which would turn certificate"),
     ]
     for uri, env, words in cases:
         proc = run_entry(

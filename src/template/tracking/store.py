@@ -34,6 +34,8 @@ UNTRUSTED_CERTIFICATE = re.compile(
 TLS_FAILURE = re.compile(r"\[SSL: (\w+)\] ([^'\"(]+)")
 # The innermost cause of a network error, in the words of requests and urllib3.
 ERRNO = re.compile(r"\[Errno -?\d+\] [^'\"()]+")
+# What MLflow's client says when a server kept answering HTTP 429 (its retries spent).
+TOO_MANY_REQUESTS = "too many 429 error responses"
 # Whether a server answers, in seconds rather than after MLflow's minutes of retries.
 FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 
@@ -58,6 +60,7 @@ def prepare_store(tracking_uri: str, experiment_name: str) -> None:
     that the server answers, and the experiment, tagged as model training. A SQLite store that
     fails leaves no file or folder it made."""
     database = sqlite_file(tracking_uri)
+    refuse_empty_certificate_path(tracking_uri)
     try:
         if database:
             with (
@@ -94,6 +97,12 @@ def refusal(tracking_uri: str, experiment_name: str, error: Exception) -> str | 
     if tracking_uri.startswith("http://") and speaks_tls(tracking_uri):
         https = "https://" + without_password(tracking_uri).removeprefix("http://")
         return f"MLflow server {server} answers only HTTPS: use logger.tracking_uri={https}"
+    if TOO_MANY_REQUESTS in str(error):
+        return (
+            f"MLflow server {server} refuses sign-ins for a while (HTTP 429: too many wrong "
+            "passwords for this account or from this address). Wait, then check "
+            f"{CREDENTIALS[0]} and {CREDENTIALS[1]}"
+        )
     if status == 401:
         return (
             f"MLflow server {server} refused the credentials (HTTP 401). Set "
@@ -107,6 +116,17 @@ def refusal(tracking_uri: str, experiment_name: str, error: Exception) -> str | 
             "experiment of your own: logger.experiment_name=<a new name>"
         )
     return None
+
+
+def refuse_empty_certificate_path(tracking_uri: str) -> None:
+    """MLflow gives an empty MLFLOW_TRACKING_SERVER_CERT_PATH (``export NAME=``, a common way to
+    "unset" it) to requests as ``verify=''``, which checks no certificate at all: refused."""
+    if tracking_uri.startswith("https://") and os.environ.get(CERTIFICATE) == "":
+        raise TrackingError(
+            f"{CERTIFICATE} is set but empty, which would turn certificate checks off: unset it "
+            f"(unset {CERTIFICATE}) to check with this machine's CAs, or set it to the CA "
+            "certificate the server's admin gives you (docs/mlflow.md: A server with accounts)"
+        )
 
 
 def tls_refusal(tracking_uri: str, error: str) -> str | None:
