@@ -19,7 +19,11 @@ from src.template import sweeps
 from src.template.entry import use_task_in_config
 from src.template.tracking.mlflow_model import MODEL_NAME, register
 from src.template.tracking.run import RUN_ID_FILE
-from src.template.tracking.store import credentials_moved
+from src.template.tracking.store import (
+    TrackingError,
+    credentials_moved,
+    refuse_empty_certificate_path,
+)
 
 
 class NoModel(RuntimeError):
@@ -48,6 +52,7 @@ def register_best(sweep_dir: Path, name: str, mode: str, tracking_uri: str | Non
         raise NoModel(f"the best job, {job} ({metric}={value:.6g}), has no MLflow run")
     run_id = run_file.read_text().strip()
     uri = tracking_uri or OmegaConf.load(job / "config.yaml").logger.tracking_uri
+    refuse_empty_certificate_path(uri)
     client = MlflowClient(uri)
     experiment_id = client.get_run(run_id).info.experiment_id
     models = client.search_logged_models(
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tracking_uri = credentials_moved(args.tracking_uri)
     try:
         print(register_best(args.sweep_dir, args.name, TASK.mode, args.tracking_uri))
-    except NoModel as error:
+    except (NoModel, TrackingError) as error:
         print(f"Error: {error}", file=sys.stderr)
         return 1
     return 0

@@ -24,7 +24,13 @@ from src.template.tracking.outbox import (
     refused_for_rights,
 )
 from src.template.tracking.run import RUN_ID_FILE
-from src.template.tracking.store import FAIL_FAST, credentials_moved, first_line
+from src.template.tracking.store import (
+    FAIL_FAST,
+    TrackingError,
+    credentials_moved,
+    first_line,
+    refuse_empty_certificate_path,
+)
 
 
 def sync(folder: Path, tracking_uri: str | None = None) -> str:
@@ -37,6 +43,7 @@ def sync(folder: Path, tracking_uri: str | None = None) -> str:
     outbox = Outbox(folder)
     try:
         uri = tracking_uri or outbox.tracking_uri
+        refuse_empty_certificate_path(uri)
         if len(outbox.records) == 1:
             return f"nothing to send: {outbox.path} holds no record"
         if not outbox.ended:  # the job died before it could end its run
@@ -113,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tracking_uri = credentials_moved(args.tracking_uri)
     try:
         print(sync(args.output_dir, args.tracking_uri))
-    except (OutboxBusy, FileNotFoundError, ConnectionError) as error:
+    except (OutboxBusy, FileNotFoundError, ConnectionError, TrackingError) as error:
         print(f"Error: {error}", file=sys.stderr)
         return 1
     return 0

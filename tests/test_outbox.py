@@ -86,6 +86,21 @@ def test_one_process_sends_an_outbox_at_a_time(tmp_path: Path) -> None:
     Outbox(tmp_path).close()
 
 
+def test_src_sync_refuses_an_empty_certificate_path_before_sending(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Empty, MLflow would check no certificate at all: nothing is sent, in one line."""
+    outbox = Outbox(tmp_path, "https://127.0.0.1:9")
+    outbox.append(encode("set_tag", "run", key="note", value="x"))
+    outbox.close()
+    monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", "")
+    assert src_sync.main([str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith(
+        "Error: MLFLOW_TRACKING_SERVER_CERT_PATH is set but empty"
+    )
+    assert Outbox(tmp_path).pending == 1, "the record waits"
+
+
 def test_the_sender_skips_a_record_the_server_refuses(tmp_path: Path) -> None:
     client, run_id = sqlite_run(tmp_path)
     outbox = Outbox(tmp_path, "sqlite:///x")

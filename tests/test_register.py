@@ -67,3 +67,20 @@ def test_a_best_job_without_a_run_is_one_line(
     err = capsys.readouterr().err
     job, score = ("1", 0.6) if TASK.mode == "max" else ("0", 0.4)  # the task's best
     assert err == f"Error: the best job, {sweep / job} ({metric}={score}), has no MLflow run\n"
+
+
+def test_an_empty_certificate_path_is_refused_before_any_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Empty, MLflow would check no certificate at all (as test_store's jobs check)."""
+    metric = TASK.config_values()["optimized_metric"]
+    sweep = sweep_of(tmp_path / "sweep", [0.4, 0.6], metric)
+    for job in ("0", "1"):
+        (sweep / job / "mlflow_run_id.txt").write_text("abc\n")
+    monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", "")
+    argv = [str(sweep), "--name", "best", "--tracking-uri", "https://127.0.0.1:9"]
+    assert main(argv) == 1
+    assert capsys.readouterr().err.startswith(
+        "Error: MLFLOW_TRACKING_SERVER_CERT_PATH is set but empty, which would turn certificate "
+        "checks off"
+    )
