@@ -98,9 +98,9 @@ class TrainingJob:
         datamodule.load()  # train, validation and test splits
         with as_config_error("model"):
             model = self.task.build_model(self.model_cfg, datamodule)
+        check_shardable(cfg.strategy.name, model, self.task.sharded_blocks)  # the task's types
         if cfg.strategy.exact:  # devices=N trains what devices=1 trains
             name_inexact_layers(make_exact(model))
-        check_shardable(cfg.strategy.name, model, self.task.sharded_blocks)
         if self.weights:
             checkpoint.load_weights(model, self.weights, Path(cfg.weights_from).name)
         if self.start.saved:
