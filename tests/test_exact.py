@@ -274,6 +274,9 @@ NETWORKS = {
 # gradient. A single process on 1 thread against 2 threads differs as much (up to 6e-2 here).
 # Per-rank BatchNorm and dropout (strategy.exact=false) differ by 0.5 or more on both.
 TOLERANCE = {"convnet": 1e-4, "resnet": 0.2}
+# On GPUs convolutions run in TF32 and cuDNN's backward kernels add in no fixed order: one GPU
+# is not bit-reproducible run to run, and the differences grow as the ResNet's do on the CPU.
+GPU_TOLERANCE = {"convnet": 0.2, "resnet": 0.2}
 SIGTERM_AT = "18:SIGTERM"  # at step 4 of epoch 1: the ranks stop after step 20 (below)
 
 
@@ -309,9 +312,12 @@ def network_state(run_dir: Path) -> dict[str, torch.Tensor]:
     return {key: value for key, value in saved.items() if key.startswith("net.")}
 
 
-def assert_trains_the_same_weights(run_dir: Path, one: Path, network: str, what: str) -> None:
+def assert_trains_the_same_weights(
+    run_dir: Path, one: Path, network: str, what: str, tolerance: dict[str, float] = TOLERANCE
+) -> None:
     """The job in ``run_dir`` holds ``one``'s weights and running statistics (within the
-    network's float tolerance) and reports its test metrics; the largest difference is printed."""
+    network's float ``tolerance``) and reports its test metrics; the largest difference is
+    printed."""
     ours = network_state(run_dir)
     expected = network_state(one)
     assert ours.keys() == expected.keys()
@@ -328,7 +334,7 @@ def assert_trains_the_same_weights(run_dir: Path, one: Path, network: str, what:
         f"as a share of its tensor's largest value {max(share.values()):.1e}"
     )
     for key, value in expected.items():
-        scale = TOLERANCE[network] * max(value.float().abs().max().item(), 1e-3)
+        scale = tolerance[network] * max(value.float().abs().max().item(), 1e-3)
         torch.testing.assert_close(ours[key], value, atol=scale, rtol=0, msg=key)
     metrics = read_metrics(run_dir)
     one_metrics = read_metrics(one)
@@ -336,7 +342,7 @@ def assert_trains_the_same_weights(run_dir: Path, one: Path, network: str, what:
     print(f"{network}, {what}: test metrics (N, 1) {shown}")
     assert metrics["test/samples"] == one_metrics["test/samples"] == N_TEST
     assert metrics["train/samples"] == one_metrics["train/samples"]
-    loss = TOLERANCE[network] / 10  # the test loss moves less than the weights
+    loss = tolerance[network] / 10  # the test loss moves less than the weights
     assert metrics["test/loss"] == pytest.approx(one_metrics["test/loss"], rel=loss)
 
 
@@ -383,4 +389,4 @@ def test_two_gpus_train_the_weights_of_one_gpu(
         args = exact_overrides(tiny_root, network, devices, "ddp")
         runs[devices] = tmp_path / f"gpus{devices}"
         run_entry("train", *args, "accelerator=gpu", f"hydra.run.dir={runs[devices]}", cwd=tmp_path)
-    assert_trains_the_same_weights(runs[2], runs[1], network, "2 GPUs")
+    assert_trains_the_same_weights(runs[2], runs[1], network, "2 GPUs", GPU_TOLERANCE)
