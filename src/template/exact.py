@@ -103,13 +103,13 @@ def gathered_batch_norm(
     shape = [1, channels, *[1] * (input.dim() - 2)]
     values = input if input.dtype in (torch.float32, torch.float64) else input.float()
     count = values.numel() / channels
-    # Sums around a constant near the local mean: no cancellation in the variance, and plain
-    # sums are several times faster than torch.var_mean on the CPU.
-    centre = values.detach().sum(dims) / count
-    centred = values - centre.view(shape)
-    offset = centred.sum(dims) / count
-    variance = (centred.square().sum(dims) / count - offset.square()).clamp_min(0)
-    local = torch.stack([centre + offset, variance, torch.full_like(centre, count)])
+    # Two passes, as precise as torch's BatchNorm: on the CPU several times faster than
+    # torch.var_mean, forward and backward (as x * x is than x.square(), and x + -m than x - m:
+    # their backward passes over the whole batch once less).
+    mean = values.sum(dims) / count
+    centred = values + (-mean).view(shape)
+    variance = (centred * centred).sum(dims) / count
+    local = torch.stack([mean, variance, torch.full_like(mean, count)])
     gathered = differentiable_all_gather(local, 0, dist.group.WORLD).view(-1, 3, channels)
     means, variances, counts = gathered.unbind(1)  # each [ranks, channels]
     total = counts.sum(0)
