@@ -51,8 +51,10 @@ class GlobalBatchNorm(_BatchNorm):
     """BatchNorm over the global batch: the batches of every rank normalised as one."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if not self.training:  # evaluation, export: torch's own, nothing distributed
+            return super().forward(input)
         _, world = rank_and_world()
-        if not self.training or world == 1:
+        if world == 1:
             return super().forward(input)
         self._check_input_dim(input)
         momentum = self.momentum_of_this_step()
