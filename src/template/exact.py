@@ -96,27 +96,11 @@ def gathered_batch_norm(
     eps: float,
     momentum: float,
 ) -> Tensor:
-    """``F.batch_norm`` in training mode over the batches of every rank together. Each rank's
-    per-channel mean, variance and count are gathered by one differentiable all-gather (its
-    backward reduce-scatters their gradients) and combined as torch's SyncBatchNorm combines
-    them (Chan et al.'s pooled variance): as precise as one process's BatchNorm."""
-    channels = input.shape[1]
-    dims = [0, *range(2, input.dim())]
-    shape = [1, channels, *[1] * (input.dim() - 2)]
+    """``F.batch_norm`` in training mode over the batches of every rank together, its backward
+    autograd's (:func:`global_mean_and_variance`)."""
+    shape = [1, input.shape[1], *[1] * (input.dim() - 2)]
     values = input if input.dtype in (torch.float32, torch.float64) else input.float()
-    count = values.numel() / channels
-    # Two passes, as precise as torch's BatchNorm: on the CPU several times faster than
-    # torch.var_mean, forward and backward (as x * x is than x.square(), and x + -m than x - m:
-    # their backward passes over the whole batch once less).
-    mean = values.sum(dims) / count
-    centred = values + (-mean).view(shape)
-    variance = (centred * centred).sum(dims) / count
-    local = torch.stack([mean, variance, torch.full_like(mean, count)])
-    gathered = differentiable_all_gather(local, 0, dist.group.WORLD).view(-1, 3, channels)
-    means, variances, counts = gathered.unbind(1)  # each [ranks, channels]
-    total = counts.sum(0)
-    mean = (counts * means).sum(0) / total
-    var = (counts * (variances + (means - mean).square())).sum(0) / total
+    mean, var, total = global_mean_and_variance(values)
     if running_mean is not None and running_var is not None:
         with torch.no_grad():
             running_mean.lerp_(mean.to(running_mean.dtype), momentum)
@@ -128,6 +112,29 @@ def gathered_batch_norm(
         scale = scale * weight
     shift = -mean * scale if bias is None else bias - mean * scale
     return torch.addcmul(shift.view(shape), values, scale.view(shape)).to(input.dtype)
+
+
+def global_mean_and_variance(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The per-channel mean and (biased) variance of every rank's ``values`` together, and their
+    count. Each rank's are gathered by one differentiable all-gather (its backward
+    reduce-scatters their gradients) and combined as torch's SyncBatchNorm combines them (Chan
+    et al.'s pooled variance): as precise as one process's BatchNorm."""
+    channels = values.shape[1]
+    dims = [0, *range(2, values.dim())]
+    count = values.numel() / channels
+    # Two passes, as precise as torch's BatchNorm: on the CPU several times faster than
+    # torch.var_mean, forward and backward (as x * x is than x.square(), and x + -m than x - m:
+    # their backward passes over the whole batch once less).
+    mean = values.sum(dims) / count
+    centred = values + (-mean).view(1, channels, *[1] * (values.dim() - 2))
+    variance = (centred * centred).sum(dims) / count
+    local = torch.stack([mean, variance, torch.full_like(mean, count)])
+    gathered = differentiable_all_gather(local, 0, dist.group.WORLD).view(-1, 3, channels)
+    means, variances, counts = gathered.unbind(1)  # each [ranks, channels]
+    total = counts.sum(0)
+    mean = (counts * means).sum(0) / total
+    variance = (counts * (variances + (means - mean).square())).sum(0) / total
+    return mean, variance, total
 
 
 class GlobalBatchNorm1d(GlobalBatchNorm, nn.BatchNorm1d):
