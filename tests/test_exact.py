@@ -271,12 +271,13 @@ NETWORKS = {
 # as a share of the tensor's largest value. Both reach only float summation order, but the
 # ResNet's grows faster: a ReLU input within 1e-7 of 0 on one side in one job and on the other in
 # another is enough, and AdamW's first steps (lr * g / |g|) enlarge any difference in a small
-# gradient. A single process on 1 thread against 2 threads differs as much (up to 6e-2 here).
-# Per-rank BatchNorm and dropout (strategy.exact=false) differ by 0.5 or more on both.
-TOLERANCE = {"convnet": 1e-4, "resnet": 0.2}
+# gradient. A single process on 1 thread against 2 threads differs as much. Measured here: the
+# ConvNet within 3e-5, the ResNet within 0.1 (2 and 3 ranks, a few data sets); per-rank BatchNorm
+# and dropout (strategy.exact=false) 0.5 or more away on both.
+TOLERANCE = {"convnet": 1e-4, "resnet": 0.25}
 # On GPUs convolutions run in TF32 and cuDNN's backward kernels add in no fixed order: one GPU
 # is not bit-reproducible run to run, and the differences grow as the ResNet's do on the CPU.
-GPU_TOLERANCE = {"convnet": 0.2, "resnet": 0.2}
+GPU_TOLERANCE = {"convnet": 0.25, "resnet": 0.25}
 SIGTERM_AT = "18:SIGTERM"  # at step 4 of epoch 1: the ranks stop after step 20 (below)
 
 
