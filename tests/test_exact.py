@@ -22,6 +22,7 @@ from torch import nn
 from src.template.exact import (
     GlobalBatchNorm2d,
     GlobalDropout,
+    GlobalDropoutNd,
     inexact_layers,
     make_exact,
 )
@@ -199,6 +200,7 @@ def test_converted_layers_keep_their_kind_names_and_evaluation() -> None:
     assert make_exact(net) is net and net.features[1] is norm, "converted in place"
     assert isinstance(norm, GlobalBatchNorm2d) and isinstance(norm, nn.BatchNorm2d)
     assert isinstance(net.head[1], GlobalDropout) and isinstance(net.head[1], nn.Dropout)
+    assert isinstance(net.head[1], GlobalDropoutNd)
     assert list(net.state_dict()) == keys, "old checkpoints load, new ones load anywhere"
     assert torch.equal(net(inputs), before), "evaluation is torch's own"
     torch.manual_seed(SEED)

@@ -149,7 +149,7 @@ class GlobalBatchNorm3d(GlobalBatchNorm, nn.BatchNorm3d):
     pass
 
 
-class GlobalDropout(_DropoutNd):
+class GlobalDropoutNd(_DropoutNd):
     """Dropout whose mask is drawn for the global batch and sliced to this rank's rows: the
     global batch's rows ``[rank * b, (rank + 1) * b)`` are this rank's ``b`` samples."""
 
@@ -180,30 +180,30 @@ def global_mask(input: Tensor, p: float, per_channel: bool) -> Tensor:
     return mask[rank * rows : (rank + 1) * rows]
 
 
-class GlobalDropout0d(GlobalDropout, nn.Dropout):
+class GlobalDropout(GlobalDropoutNd, nn.Dropout):
     pass
 
 
-class GlobalDropout1d(GlobalDropout, nn.Dropout1d):
+class GlobalDropout1d(GlobalDropoutNd, nn.Dropout1d):
     per_channel = True
     batch_dims = 3
 
 
-class GlobalDropout2d(GlobalDropout, nn.Dropout2d):
+class GlobalDropout2d(GlobalDropoutNd, nn.Dropout2d):
     per_channel = True
     batch_dims = 4
 
 
-class GlobalDropout3d(GlobalDropout, nn.Dropout3d):
+class GlobalDropout3d(GlobalDropoutNd, nn.Dropout3d):
     per_channel = True
     batch_dims = 5
 
 
-class GlobalAlphaDropout(GlobalDropout, nn.AlphaDropout):
+class GlobalAlphaDropout(GlobalDropoutNd, nn.AlphaDropout):
     alpha = True
 
 
-class GlobalFeatureAlphaDropout(GlobalDropout, nn.FeatureAlphaDropout):
+class GlobalFeatureAlphaDropout(GlobalDropoutNd, nn.FeatureAlphaDropout):
     per_channel = True
     alpha = True
 
@@ -214,14 +214,14 @@ GLOBAL_KINDS: dict[type[nn.Module], type[nn.Module]] = {
     nn.BatchNorm1d: GlobalBatchNorm1d,
     nn.BatchNorm2d: GlobalBatchNorm2d,
     nn.BatchNorm3d: GlobalBatchNorm3d,
-    nn.Dropout: GlobalDropout0d,
+    nn.Dropout: GlobalDropout,
     nn.Dropout1d: GlobalDropout1d,
     nn.Dropout2d: GlobalDropout2d,
     nn.Dropout3d: GlobalDropout3d,
     nn.AlphaDropout: GlobalAlphaDropout,
     nn.FeatureAlphaDropout: GlobalFeatureAlphaDropout,
 }
-EXACT = (GlobalBatchNorm, GlobalDropout, nn.SyncBatchNorm)  # SyncBatchNorm: GPUs, already global
+EXACT = (GlobalBatchNorm, GlobalDropoutNd, nn.SyncBatchNorm)  # SyncBatchNorm: GPUs, already global
 
 
 def make_exact(model: nn.Module) -> nn.Module:
@@ -283,8 +283,11 @@ class RandomOps(TorchDispatchMode):
         self.found: dict[nn.Module, str] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if RANDOM in func.tags and self.running and not isinstance(self.running[-1], GlobalDropout):
-            self.found.setdefault(self.running[-1], str(func.overloadpacket))
+        innermost = self.running[-1] if self.running else None
+        # A global-batch dropout's draws are exact; any other module's are not.
+        of_its_own = innermost is not None and not isinstance(innermost, GlobalDropoutNd)
+        if RANDOM in func.tags and of_its_own:
+            self.found.setdefault(innermost, str(func.overloadpacket))
         return func(*args, **(kwargs or {}))
 
 
