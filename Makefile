@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 
-.PHONY: help install train test test-full test-slow lint format ui clean
+.PHONY: help install train test test-full test-slow gpu-check lint format ui clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -24,6 +24,9 @@ test-full:  ## everything, 3 tests at a time (what CI runs after the daily set)
 
 test-slow:  ## only the end-to-end tests: real jobs, DDP, sweeps, clusters, servers, notebooks
 	$(PY) -m pytest -m slow -n 3
+
+gpu-check:  ## every GPU test and GPU benchmark row, one table (~10 min; without a GPU: says so)
+	$(PY) -m benchmarks.gpu_check
 
 lint:  ## ruff, formatting, notebooks stripped, YAML/TOML, Dockerfile (pre-commit)
 	$(BIN)/pre-commit run --all-files

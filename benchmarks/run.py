@@ -21,6 +21,8 @@ read from ``$TEMPLATE_DATA_DIR``; without it, rows 6 are skipped.
    one loader worker's decode + augment throughput (:mod:`benchmarks.data_scale`)
 11. sharding: per-rank parameter + gradient + optimizer memory, peak memory and steps/s of
    ``strategy=ddp`` against ``strategy=fsdp`` on 2 ranks (:mod:`benchmarks.sharding`)
+12. exactness at any world size: step time of ``strategy.exact=true`` (global-batch BatchNorm
+   and dropout) against ``false`` (per rank) on 2 ranks (:mod:`benchmarks.exact`)
 
 ``--tiny`` runs every row on a small generated dataset in about a minute (used by the tests).
 """
@@ -571,6 +573,9 @@ def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict
     from benchmarks import sharding
 
     rows |= sharding.measure(workdir, tiny, repeats)
+    from benchmarks import exact
+
+    rows |= exact.measure(workdir, tiny, repeats)
     return {
         "machine": machine(),
         "settings": {

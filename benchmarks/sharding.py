@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -86,8 +86,16 @@ class RankMemory(L.Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures))
 
 
-def job(strategy: str, devices: int, hidden: int, steps: int, data: list[str], workdir: Path):
-    """One ``python -m src.train`` job; its ranks' figures (a list of dicts)."""
+def job(
+    strategy: str,
+    devices: int,
+    hidden: int,
+    steps: int,
+    data: list[str],
+    workdir: Path,
+    extra: Sequence[str] = (),
+) -> list[dict]:
+    """One ``python -m src.train`` job (``extra``: more overrides); its ranks' figures."""
     run_dir = Path(tempfile.mkdtemp(dir=workdir, prefix=f"{strategy}-"))
     probe = "+callbacks.extra.rank_memory"
     command = [
@@ -108,6 +116,7 @@ def job(strategy: str, devices: int, hidden: int, steps: int, data: list[str], w
         f"{probe}._target_=benchmarks.sharding.RankMemory",
         f"{probe}.out={run_dir}",
         f"{probe}.steps={steps}",
+        *extra,
         f"hydra.run.dir={run_dir}",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

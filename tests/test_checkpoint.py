@@ -163,8 +163,12 @@ def test_each_step_draws_from_its_own_seed() -> None:
     first = dropout_draws(seeding, epoch=1, batch=3, rank=0)
     torch.rand(1000)  # whatever ran in between (validation, another epoch) does not matter
     assert torch.equal(dropout_draws(seeding, epoch=1, batch=3, rank=0), first)
-    assert not torch.equal(dropout_draws(seeding, epoch=1, batch=3, rank=1), first)
+    # Every rank draws alike: a mask drawn for the global batch is the same on every rank.
+    assert torch.equal(dropout_draws(seeding, epoch=1, batch=3, rank=1), first)
     assert not torch.equal(dropout_draws(seeding, epoch=1, batch=4, rank=0), first)
+    per_rank = SeedEachBatch(seed=7, per_rank=True)  # strategy.exact=false: masks per rank
+    assert torch.equal(dropout_draws(per_rank, epoch=1, batch=3, rank=0), first)
+    assert not torch.equal(dropout_draws(per_rank, epoch=1, batch=3, rank=1), first)
     restored = SeedEachBatch(seed=0)
     restored.load_state_dict(seeding.state_dict())  # the seed travels in the checkpoint
     assert torch.equal(dropout_draws(restored, epoch=1, batch=3, rank=0), first)
@@ -172,7 +176,7 @@ def test_each_step_draws_from_its_own_seed() -> None:
 
 def test_each_step_seeds_torch_as_manual_seed_does() -> None:
     """The cheaper per-step seeding leaves the CPU generator where ``torch.manual_seed`` does."""
-    seeding = SeedEachBatch(seed=7)
+    seeding = SeedEachBatch(seed=7, per_rank=True)
     ours = dropout_draws(seeding, epoch=2, batch=5, rank=1)
     assert step_seed(7, 2, 5, 1) == 38591399, "the seeds of a step never change: resumes match"
     torch.manual_seed(step_seed(7, 2, 5, 1))

@@ -185,6 +185,12 @@ def refusal(override: str) -> str:
         ),
         ("trainer.devices=2", "trainer.devices is set from the top-level key devices; remove"),
         ("trainer.logger=false", "trainer.logger is set from the logger group (logger=mlflow|"),
+        (  # the retired key: BatchNorm is global on any device unless strategy.exact=false
+            "strategy.sync_batchnorm=true",
+            "strategy.sync_batchnorm is set from strategy.exact (BatchNorm over the global batch "
+            "on any device, on by default); remove strategy.sync_batchnorm",
+        ),
+        ("trainer.sync_batchnorm=true", "trainer.sync_batchnorm is set from strategy.exact ("),
         (
             "+trainer.max_steps=14",  # a Trainer argument that needed + before every one was a key
             "+trainer.max_steps: it is already a config key; set it without +: "

@@ -261,9 +261,10 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_two_ranks_train_the_same_weights_as_one(tiny_root: Path, tmp_path: Path) -> None:
     # Same global batches in the same order (GlobalBatchSampler) and DDP's averaged gradient
-    # equal to the global batch's. BatchNorm statistics and dropout masks are per rank, so
-    # the comparison uses a network without them; the rest differs only by float summation
-    # order (rank means averaged vs. one mean), hence the 1e-5 tolerance.
+    # equal to the global batch's, with data resident on the device and sharded (FSDP): a
+    # network without BatchNorm and dropout, whose global-batch layers tests/test_exact.py
+    # checks. It differs only by float summation order (rank means averaged vs. one mean),
+    # hence the 1e-5 tolerance.
     overrides = [
         *tiny_overrides(tiny_root, logger="none"),
         "trainer.max_epochs=1",
@@ -398,21 +399,6 @@ def test_a_dead_rank_ends_the_torchrun_job_within_seconds(tiny_root: Path, tmp_p
     assert "local_rank: 1" in stderr and "Signal 9 (SIGKILL)" in stderr, stderr[-3000:]
     _, run = only_run(tmp_path / "mlflow.db")
     assert run.info.status == "FAILED"
-
-
-@pytest.mark.slow
-def test_sync_batchnorm_on_cpu_warns_and_trains(tiny_root: Path, tmp_path: Path) -> None:
-    proc = run_entry(
-        "train",
-        *tiny_overrides(tiny_root, logger="none"),
-        "trainer.max_epochs=1",
-        "strategy=ddp",
-        "devices=2",
-        "strategy.sync_batchnorm=true",
-        f"hydra.run.dir={tmp_path / 'run'}",
-        cwd=tmp_path,
-    )
-    assert "strategy.sync_batchnorm=true is ignored: torch's SyncBatchNorm" in proc.stderr
 
 
 def test_fsdp_refuses_parameters_outside_the_sharded_blocks() -> None:

@@ -139,7 +139,6 @@ def test_a_new_network_is_one_module_and_one_config(images: Path, tmp_path: Path
         "logger=none",
         "strategy=ddp",
         "devices=2",
-        "strategy.sync_batchnorm=true",  # a network without BN
         cwd=copy,
         env=env,
     )

@@ -9,6 +9,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from src.template.private import (
     SubprocessScriptLauncher,
+    SyncBatchNormFunction,
+    differentiable_all_gather,
     forget_train_loader,
     run_context_tags,
     set_num_threads_if_needed,
@@ -134,3 +136,36 @@ def test_torchs_shard_index_names_each_file_and_its_extent(tmp_path: Path) -> No
         dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp_path, no_dist=True)
     (where,) = dcp.FileSystemReader(tmp_path).read_metadata().storage_data.values()
     assert (tmp_path / where.relative_path).stat().st_size >= where.offset + where.length > 0
+
+
+def test_torchs_differentiable_all_gather_carries_gradients() -> None:
+    """On a real (one-rank) gloo group: the rows gathered along dimension 0, and a backward that
+    reaches the input. Two ranks, their gradients summed: tests/test_exact.py."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        values = torch.tensor([[1.0, 2.0]], requires_grad=True)
+        gathered = differentiable_all_gather(values * 3, 0, dist.group.WORLD)
+        (gathered * torch.tensor([1.0, 10.0])).sum().backward()
+        assert torch.equal(gathered.detach(), torch.tensor([[3.0, 6.0]]))
+        assert torch.equal(values.grad, torch.tensor([[3.0, 30.0]]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torchs_sync_batchnorm_function_takes_what_the_global_batchnorm_passes() -> None:
+    assert list(inspect.signature(SyncBatchNormFunction.forward).parameters) == [
+        "self",
+        "input",
+        "weight",
+        "bias",
+        "running_mean",
+        "running_var",
+        "eps",
+        "momentum",
+        "process_group",
+        "world_size",
+    ]
+    assert callable(SyncBatchNormFunction.apply)

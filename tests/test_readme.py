@@ -683,6 +683,8 @@ def run_make(command: ReadmeCommand, workdir: Path, request: pytest.FixtureReque
         assert re.findall(r"make (\S+)", proc.stdout)[:1] == ["help"], proc.stdout
     if command.tokens[1:] == ("lint",):
         assert re.search(r"ruff check\.+Passed", proc.stdout), proc.stdout[-3000:]
+    if command.tokens[1:] == ("gpu-check",):  # here: no GPU (CI has none)
+        assert "no CUDA GPU here" in proc.stdout or "GPU check" in proc.stdout, proc.stdout
 
 
 def run_pre_commit_install(
@@ -793,7 +795,7 @@ RUNNERS: dict[str, Runner] = {
     r"^mlflow models serve\b": run_models_serve,
     r"^curl\b.*/invocations\b": run_curl,
     r"^python3? -m src\.register\b": run_register,
-    r"^make (help|lint)$": run_make,  # others build, train or delete: a new one needs a look
+    r"^make (help|lint|gpu-check)$": run_make,  # others build, train or delete: look first
     r"^pre-commit install$": run_pre_commit_install,
     r"^python -m pytest tests/": run_pytest,
     r"^sbatch --gpus-per-node=0 slurm/train\.sbatch$": run_sbatch_train,

@@ -91,6 +91,7 @@ def test_makefile_lists_its_targets() -> None:
         "test",
         "test-full",
         "test-slow",
+        "gpu-check",
         "lint",
         "format",
         "ui",

@@ -291,14 +291,19 @@ def as_lists(value: Any) -> Any:
 
 
 RESULT_SECTIONS = ("seed", "data", "model", "trainer")  # what decides a job's result
+RESULT_KEYS = ("strategy.exact",)  # and single keys of other sections (per-rank masks or not)
 NOT_THE_JOB = ("ckpt_path=", "weights_from=")  # overrides that say where a job starts, not what
 
 
 def job_settings(cfg: DictConfig) -> dict[str, Any]:
     """The resolved values that decide a job's result (``data.batch_size``: 32): every key of
-    :data:`RESULT_SECTIONS` but those in ``resume_may_differ`` (how long, where and how fast)."""
+    :data:`RESULT_SECTIONS` but those in ``resume_may_differ`` (how long, where and how fast),
+    and the :data:`RESULT_KEYS` the config has."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     values = flatten({key: resolved[key] for key in RESULT_SECTIONS if key in resolved})
+    for key in RESULT_KEYS:
+        if (value := OmegaConf.select(cfg, key)) is not None:
+            values[key] = value
     free = tuple(cfg.get("resume_may_differ") or ())
     return {
         key: value

@@ -16,7 +16,6 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException as C
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from src.template.config import is_count
@@ -27,7 +26,6 @@ from src.template.shutdown import LAUNCHER_PID_ENV, watch_launcher, watch_ranks
 log = logging.getLogger(__name__)
 # CPU ranks per core: beyond 1 they share cores (the tests do, on purpose); beyond 2, a mistake.
 CPU_RANKS_PER_CORE = 2
-BATCH_NORMS = tuple(getattr(nn, name) for name in nn.modules.batchnorm.__all__)
 
 
 def requested_processes(accelerator: str, devices: Any, num_nodes: int) -> int:
@@ -359,22 +357,6 @@ def check_cpu_devices(devices: Any, indices: bool) -> None:
             f"core(s); use devices={cores} (one process per core; num_nodes=... for more "
             "machines)"
         )
-
-
-def use_sync_batchnorm(wanted: bool, model: nn.Module, accelerator: str) -> bool:
-    """``strategy.sync_batchnorm`` where it can apply; where it cannot, a warning, never a crash."""
-    if not wanted:
-        return False
-    if not any(isinstance(module, BATCH_NORMS) for module in model.modules()):
-        reason = "the model has no BatchNorm layers"
-    elif not uses_gpu(accelerator):
-        reason = (
-            "torch's SyncBatchNorm runs on GPUs only; on CPU each rank keeps its own statistics"
-        )
-    else:
-        return True
-    rank_zero_warn(f"strategy.sync_batchnorm=true is ignored: {reason}")
-    return False
 
 
 def hparams_digest(hparams: Mapping[str, Any]) -> str:

@@ -22,8 +22,12 @@ from src.template.tracking import store
 from src.template.trainer import SET_BY_TEMPLATE
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-# Trainer arguments on the command line (trainer.devices=2) that are set elsewhere.
-SET_ELSEWHERE = {f"trainer.{key}": where for key, where in SET_BY_TEMPLATE.items()}
+# Trainer arguments on the command line (trainer.devices=2) and retired keys, set elsewhere.
+SET_ELSEWHERE = {
+    **{f"trainer.{key}": where for key, where in SET_BY_TEMPLATE.items()},
+    "strategy.sync_batchnorm": "strategy.exact (BatchNorm over the global batch on any device, "
+    "on by default)",
+}
 # Errors that mean bad input or a failed rank: shown as one line, no traceback.
 EXPECTED = (
     data.DataError,

@@ -21,7 +21,8 @@ from src.template.config import (
     check_sections,
     typed_keys,
 )
-from src.template.distributed import check_shardable, use_sync_batchnorm
+from src.template.distributed import check_shardable
+from src.template.exact import make_exact, name_inexact_layers
 from src.template.resume import SeedEachBatch
 from src.template.settings import JobSettings
 from src.template.start import Start, where_to_start
@@ -86,9 +87,9 @@ class TrainingJob:
         return self
 
     def build(self) -> tuple[L.LightningModule, L.LightningDataModule]:
-        """The seeded data (every split loaded) and model, checked against the checkpoint it
-        resumes from: bad data or a checkpoint of another job fails here, before any run or rank
-        process exists."""
+        """The seeded data (every split loaded) and model, its layers made exact at any world
+        size (``strategy.exact``), checked against the checkpoint it resumes from: bad data or a
+        checkpoint of another job fails here, before any run or rank process exists."""
         cfg = self.cfg
         self.seed = L.seed_everything(cfg.seed, workers=True, verbose=False)
         data_class = self.task.datamodule_class(cfg.data.name)
@@ -97,7 +98,9 @@ class TrainingJob:
         datamodule.load()  # train, validation and test splits
         with as_config_error("model"):
             model = self.task.build_model(self.model_cfg, datamodule)
-        check_shardable(cfg.strategy.name, model, self.task.sharded_blocks)
+        check_shardable(cfg.strategy.name, model, self.task.sharded_blocks)  # the task's types
+        if cfg.strategy.exact:  # devices=N trains what devices=1 trains
+            name_inexact_layers(make_exact(model))
         if self.weights:
             checkpoint.load_weights(model, self.weights, Path(cfg.weights_from).name)
         if self.start.saved:
@@ -127,18 +130,16 @@ class TrainingJob:
         recorded = checkpoint.settings_to_record(cfg, self.seed, self.start.saved)
         callbacks: list[Callback] = [
             *build_callbacks(cfg.callbacks, out, monitor=(self.task.monitor, self.task.mode)),
-            SeedEachBatch(self.seed),
+            SeedEachBatch(self.seed, per_rank=not cfg.strategy.exact),
             *run.training_callbacks(),
             checkpoint.JobRecord(recorded, checkpoint.job_overrides()),
         ]
-        sync_bn = use_sync_batchnorm(cfg.strategy.sync_batchnorm, model, cfg.accelerator)
         return build_trainer(
             cfg,
             self.settings,
             run.loggers,
             callbacks,
             fitting=True,
-            sync_batchnorm=sync_bn,
             resumes=self.ckpt_path is not None,
         )
 

@@ -29,6 +29,13 @@ pinned by ``tests/test_private.py``: an upgrade that changes one fails there, lo
   ``downloader`` (``http://``), ``StreamingDataset._create_cache(worker_env=_WorkerEnv.detect())``
   and ``on_demand_bytes = False`` (whole shards into the cache, not a request per sample);
   ``litdata.utilities.format._convert_bytes_to_int`` (``data.max_cache_size`` as LitData reads it).
+* torch's differentiable all-gather, ``torch.distributed._functional_collectives.
+  all_gather_single`` (its backward reduce-scatters the gradient), to which torch 2.13's
+  deprecation of the public ``torch.distributed.nn.functional`` collectives points; and the
+  autograd function of ``nn.SyncBatchNorm``'s training forward,
+  ``torch.nn.modules._functions.SyncBatchNorm``, which the global-batch BatchNorm
+  (``src/template/exact.py``) applies on GPUs without taking the class ``nn.SyncBatchNorm``
+  (whose modules are no ``nn.BatchNorm2d``: FSDP's sharded blocks name that class).
 """
 
 from typing import Any
@@ -39,9 +46,15 @@ from lightning.fabric.utilities.distributed import (
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
+from torch.distributed._functional_collectives import (
+    all_gather_single as differentiable_all_gather,
+)
+from torch.nn.modules._functions import SyncBatchNorm as SyncBatchNormFunction
 
 __all__ = [
     "SubprocessScriptLauncher",
+    "SyncBatchNormFunction",
+    "differentiable_all_gather",
     "forget_train_loader",
     "run_context_tags",
     "set_num_threads_if_needed",

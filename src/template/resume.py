@@ -124,16 +124,21 @@ def step_seed(seed: int, epoch: int, batch: int, rank: int) -> int:
 
 
 class SeedEachBatch(Callback):
-    """Seeds python, numpy and torch before every training step from (seed, epoch, batch, rank):
-    no generator state to gather or store. The seed travels in the checkpoint (``seed=null``)."""
+    """Seeds python, numpy and torch before every training step from (seed, epoch, batch): no
+    generator state to gather or store. The seed travels in the checkpoint (``seed=null``).
+    Every rank draws the same numbers, so a dropout mask drawn for the global batch is the same
+    on every rank (src/template/exact.py); ``per_rank`` (``strategy.exact=false``) adds the rank,
+    for masks drawn per rank that differ between ranks."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, per_rank: bool = False) -> None:
         self.seed = seed
+        self.per_rank = per_rank
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        seed = step_seed(self.seed, trainer.current_epoch, batch_idx, trainer.global_rank)
+        rank = trainer.global_rank if self.per_rank else 0  # rank 0's seeds: one process's
+        seed = step_seed(self.seed, trainer.current_epoch, batch_idx, rank)
         random.seed(seed)
         np.random.seed(seed)
         # As torch.manual_seed, which also queues a seed for every accelerator not initialised,

@@ -38,7 +38,7 @@ from src.template.steps import GlobalStepAxis
 SET_BY_TEMPLATE = {
     **{key: f"the top-level key {key}" for key in ("accelerator", "devices", "num_nodes")},
     "strategy": "the strategy group (strategy=ddp)",
-    "sync_batchnorm": "strategy.sync_batchnorm",
+    "sync_batchnorm": "strategy.exact (BatchNorm over the global batch, on by default)",
     "logger": "the logger group (logger=mlflow|csv|none)",
     "callbacks": "the callbacks group (callbacks.extra for your own)",
     "enable_progress_bar": "callbacks.progress_bar",
@@ -233,7 +233,6 @@ def build_trainer(
     loggers: list[Logger],
     callbacks: Sequence[Callback],
     fitting: bool,
-    sync_batchnorm: bool = False,
     resumes: bool = False,
 ) -> L.Trainer:
     """A Trainer for ``cfg`` (checked by :func:`check_settings`): hardware from the top-level
@@ -252,7 +251,6 @@ def build_trainer(
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
         strategy=strategy,
-        sync_batchnorm=sync_batchnorm,
         logger=loggers or False,
         callbacks=list(callbacks),
         enable_progress_bar=cfg.callbacks.progress_bar != "none",

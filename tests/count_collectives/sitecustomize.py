@@ -3,8 +3,10 @@
 Put this folder on ``PYTHONPATH`` and set ``COUNT_COLLECTIVES=<folder>``: every rank writes
 ``<folder>/rank<N>.json``, a list of ``[epoch, batch_idx, collectives]``: the collectives a rank
 called from the start of that batch's ``training_step`` to the start of the next one (its end of
-step hooks, Lightning's loop bookkeeping, the next step's start). A collective that calls another
-(``all_gather_object`` calls ``all_gather``) counts once.
+step hooks, Lightning's loop bookkeeping, the next step's start, and the backward in between). A
+collective that calls another (``all_gather_object`` calls ``all_gather``) counts once. Torch's
+functional collectives (``torch.ops._c10d_functional``: what the global-batch BatchNorm gathers
+with, forward and backward) count too.
 """
 
 import atexit
@@ -34,11 +36,23 @@ COLLECTIVES = (
     "scatter_object_list",
 )
 
+FUNCTIONAL = (
+    "all_gather_into_tensor",
+    "all_gather_into_tensor_coalesced",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all_single",
+    "broadcast",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced",
+)
+
 steps: list[list[int]] = []  # [epoch, batch_idx, collectives since that step started]
 state = {"depth": 0, "rank": None}
 
 
 def count_collectives() -> None:
+    import torch
     import torch.distributed as dist
 
     for name in COLLECTIVES:
@@ -57,6 +71,25 @@ def count_collectives() -> None:
                 state["depth"] -= 1
 
         setattr(dist, name, counted)
+    for name in FUNCTIONAL:
+        setattr(
+            torch.ops._c10d_functional, name, Counted(getattr(torch.ops._c10d_functional, name))
+        )
+
+
+class Counted:
+    """A functional collective (an op packet), counted when called; its overloads as they are."""
+
+    def __init__(self, packet) -> None:
+        self.packet = packet
+
+    def __call__(self, *args, **kwargs):
+        if state["depth"] == 0 and steps:
+            steps[-1][2] += 1
+        return self.packet(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.packet, name)
 
 
 def mark_steps(module) -> None:

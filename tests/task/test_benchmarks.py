@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import PROJECT
 
@@ -22,6 +23,32 @@ def test_results_go_outside_the_tracked_tree_by_default() -> None:
     assert ignored.returncode == 0, f"{out} is not git-ignored"
     published = PROJECT / "benchmarks" / "results.json"
     assert parse_args(["--out", str(published)]).out == published, "written only when asked"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the check would run")
+def test_the_gpu_check_says_in_one_line_that_there_is_no_gpu() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check"],
+        cwd=PROJECT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        "gpu_check: no CUDA GPU here (torch.cuda.is_available() is False): nothing to run"
+    ]
+
+
+def test_the_gpu_check_runs_tests_that_exist() -> None:
+    """Each test it names (they skip here) is a test function of the file it names."""
+    from benchmarks.gpu_check import GPU_TESTS
+
+    for name, tests in GPU_TESTS.items():
+        for test in tests:
+            path, function = test.split("::")
+            source = (PROJECT / path).read_text()
+            assert f"def {function.split('[')[0]}(" in source, f"{name}: {test}"
 
 
 @pytest.mark.slow
@@ -39,7 +66,7 @@ def test_benchmark_tiny_mode_reports_every_row(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     rows = results["rows"]
     measured = [name for name, row in rows.items() if "skipped" not in row]
-    for prefix in ("1.", "2.", "3.", "4.", "5.", "8.", "9.", "10.", "11."):  # 8: CPU, no GPU
+    for prefix in ("1.", "2.", "3.", "4.", "5.", "8.", "9.", "10.", "11.", "12."):  # 8: CPU
         assert any(name.startswith(f"{prefix} ") for name in measured), f"row {prefix} missing"
     assert any(name.startswith("6.") for name in rows)
     for name in measured:
