@@ -23,7 +23,7 @@ def train(cfg: DictConfig, task: Task) -> float | None:
         trainer.fit(model, datamodule=datamodule, ckpt_path=job.ckpt_path)
         metrics = job.fitted_metrics(trainer)  # the last value of each metric logged
         best = job.best_checkpoint(trainer)
-        tested = trainer.test(model, datamodule=datamodule, ckpt_path=best, verbose=False)[0]
+        tested = job.test(trainer, model, datamodule, best)
         metrics.update(tested)
         # metrics.json; on rank 0 the model whole (FSDP's weights gathered) and its figures
         model, figures = job.report_outcome(metrics, model, datamodule, best)

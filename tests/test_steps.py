@@ -2,7 +2,6 @@
 machinery's own task, their points read back from Lightning's CSV logger."""
 
 import csv
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -52,22 +51,79 @@ def test_every_point_is_at_the_global_step_it_was_computed_after(axis: bool, tmp
         assert epochs == {2: 0, 4: 0, 7: 1, 9: 1}
 
 
-def test_a_max_steps_beyond_max_epochs_is_named_at_start(tmp_path: Path) -> None:
-    with pytest.warns(UserWarning) as caught:
-        fit(tmp_path, GlobalStepAxis(), max_epochs=2, max_steps=100)
-    lines = [str(w.message) for w in caught if "max_steps" in str(w.message)]
-    assert lines == [
-        f"trainer.max_steps=100 is more than trainer.max_epochs=2 allows ({STEPS_PER_EPOCH} "
+class SaveAtTheLastStep(L.Callback):
+    """last.ckpt where the template writes it at ``max_steps``: the last step's batch end."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == trainer.max_steps:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize("axis", [True, False], ids=["global step", "Lightning's own"])
+def test_a_job_resumed_with_nothing_left_to_train_tests_at_its_last_step(
+    axis: bool, tmp_path: Path
+) -> None:
+    """A job stopped in its test after fitting 7 steps, resumed: Lightning alone would log the
+    test at step 6 (its count of stepped batches is restored one short)."""
+    last = tmp_path / "last.ckpt"
+    callbacks = [GlobalStepAxis()] if axis else []
+    fit(tmp_path / "stopped", *callbacks, SaveAtTheLastStep(last), max_epochs=-1, max_steps=7)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=CSVLogger(tmp_path / "resumed", name="", version=""),
+        callbacks=callbacks,
+        max_epochs=-1,
+        max_steps=7,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = Regressor(features=SIZES["features"], hidden=8)
+    data = synthetic_data()
+    trainer.fit(model, datamodule=data, ckpt_path=last)  # nothing left to train
+    tested = trainer.test(model, datamodule=data, verbose=False)[0]
+    with (tmp_path / "resumed" / "metrics.csv").open() as file:
+        rows = [{k: v for k, v in row.items() if v} for row in csv.DictReader(file)]
+    assert steps_of(rows, "test/loss") == [7 if axis else 6]
+    assert "step" not in without_position(tested)
+
+
+def notes(capsys: pytest.CaptureFixture) -> list[str]:
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("Note: ")]
+
+
+def test_a_max_steps_beyond_max_epochs_is_named_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    fit(tmp_path, GlobalStepAxis(), max_epochs=2, max_steps=100)
+    assert notes(capsys) == [
+        f"Note: trainer.max_steps=100 is more than trainer.max_epochs=2 allows ({STEPS_PER_EPOCH} "
         f"steps an epoch): the job ends at step {2 * STEPS_PER_EPOCH}. To train by steps, add "
         "trainer.max_epochs=-1"
     ]
 
 
-def test_a_job_counted_in_steps_alone_says_nothing(tmp_path: Path) -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fit(tmp_path, GlobalStepAxis(), max_epochs=-1, max_steps=7)
-    assert not [w for w in caught if "max_steps" in str(w.message)]
+def test_steps_after_the_last_validation_are_named_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    every = {"check_val_every_n_epoch": None, "val_check_interval": 3}
+    fit(tmp_path, GlobalStepAxis(), max_epochs=-1, max_steps=8, **every)
+    assert notes(capsys) == [
+        "Note: trainer.max_steps=8 is no multiple of trainer.val_check_interval=3: steps 7-8 "
+        "are trained but never validated (the best checkpoint is chosen among the validations "
+        "up to step 6). For a validation at the end, use e.g. trainer.max_steps=9"
+    ]
+
+
+def test_a_job_counted_in_steps_and_validated_at_its_end_says_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    every = {"check_val_every_n_epoch": None, "val_check_interval": 3}
+    fit(tmp_path, GlobalStepAxis(), max_epochs=-1, max_steps=9, **every)
+    assert notes(capsys) == []
 
 
 def test_the_axis_keys_stay_out_of_a_jobs_metrics() -> None:

@@ -150,6 +150,14 @@ class TrainingJob:
             {name: float(value) for name, value in trainer.callback_metrics.items()}
         )
 
+    @staticmethod
+    def test(
+        trainer: L.Trainer, model: L.LightningModule, datamodule: L.LightningDataModule, best: str
+    ) -> dict[str, float]:
+        """The test metrics of the ``best`` checkpoint (logged at the job's last step)."""
+        tested = trainer.test(model, datamodule=datamodule, ckpt_path=best, verbose=False)[0]
+        return steps.without_position(tested)
+
     def best_checkpoint(self, trainer: L.Trainer) -> str:
         """The best checkpoint by the monitored metric; without validation, the last one."""
         last = self.output_dir / "checkpoints/last.ckpt"

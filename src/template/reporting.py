@@ -148,6 +148,7 @@ QUIET_INFO = (
     "Restoring states from the checkpoint",
     "Loaded model weights from the checkpoint",
     "Loading `train_dataloader` to estimate number of stepping batches",
+    "\nDetected KeyboardInterrupt, attempting graceful shutdown",  # the job says what stopped it
     "Retrying (",
 )
 QUIET_WARNINGS = (
@@ -155,6 +156,8 @@ QUIET_WARNINGS = (
     (r"The `srun` command is available on your system but is not used", UserWarning),
     # Lightning 2.6's own use of a torch API torch deprecated: nothing a user can change.
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    # The step axis's keys are the same on every rank (steps.py): nothing to sync.
+    (r"It is recommended to use `self.log\('(step|epoch)', \.\.\., sync_dist=True\)`", Warning),
 )
 
 
