@@ -71,6 +71,13 @@ def test_lightnings_fit_loop_builds_its_train_loader_once_and_again_when_forgott
     assert trainer.fit_loop._combined_loader not in (None, built), "built anew"
 
 
+def test_lightnings_rich_bar_describes_the_epoch_as_the_rich_bar_edits_it() -> None:
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    source = inspect.getsource(RichProgressBar._get_train_description)
+    assert 'f"Epoch {current_epoch}"' in source and 'f"/{self.trainer.max_epochs - 1}"' in source
+
+
 def test_lightnings_tensorboard_writer_is_none_until_opened(tmp_path) -> None:
     from lightning.pytorch.loggers import TensorBoardLogger
 

@@ -12,6 +12,8 @@ pinned by ``tests/test_private.py``: an upgrade that changes one fails there, lo
   ``fit_loop._data_fetcher`` iterating it), dropped by :func:`forget_train_loader` when
   ``Trainer.estimated_stepping_batches`` built it before a checkpoint's loop state was restored
   (Lightning#20550; ``src/template/trainer.py``).
+* Lightning's ``RichProgressBar._get_train_description``, whose "Epoch N/max" reads "Epoch 0/-2"
+  for a job counted in steps: ``trainer.RichBar`` drops the "/-2".
 * Lightning's ``TensorBoardLogger._experiment`` (the writer, ``None`` until opened), read by
   ``tracking.OneFileTensorBoardLogger``: its public ``experiment`` opens a writer, and so an
   events file, on a job that fails before logging anything.

@@ -146,9 +146,16 @@ class TqdmBar(ShowsLastEpoch, TQDMProgressBar):
 class RichBar(ShowsLastEpoch, RichProgressBar):
     """Rich's bar, its training row updated at most every 0.1 s and at an epoch's last step:
     Lightning updates it, reading every metric, at every step (30 µs), and Rich redraws the
-    screen once a second either way."""
+    screen once a second either way. A job counted in steps (``trainer.max_epochs=-1``) shows
+    its epoch alone, not Lightning's "Epoch 0/-2"."""
 
     next_update_s = 0.0
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        description = super()._get_train_description(current_epoch)
+        if self.trainer.max_epochs == -1:
+            description = description.replace(f"Epoch {current_epoch}/-2", f"Epoch {current_epoch}")
+        return description
 
     def on_train_batch_end(
         self,
