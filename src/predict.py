@@ -9,7 +9,7 @@ them as ``images=DIR_OR_GLOB`` (path, predicted label, class name, confidence).
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from src.task import TASK
 from src.template import entry, reporting
@@ -25,8 +25,19 @@ def predict(cfg: DictConfig, task: Task) -> Path:
                 f"inputs={cfg.inputs}: this task predicts its data splits only (split=test, val "
                 "or train); Task.predict_inputs in src/task/__init__.py would read new inputs"
             )
+        if isinstance(cfg.inputs, ListConfig):
+            raise ConfigError(
+                f"inputs={list(cfg.inputs)} is a list; give one value, as the task's reader "
+                "takes it: a path, a folder, a glob or a string"
+            )
         out = Path(cfg.paths.output_dir) / "predictions_inputs.csv"
         return task.predict_inputs(cfg.ckpt_path, str(cfg.inputs), out, task)
+    if task.predictions is None:
+        raise ConfigError(
+            "this task writes no predictions of a data split (Task.predictions in "
+            "src/task/__init__.py would)"
+            + ("; give new inputs with inputs=..." if task.predict_inputs else "")
+        )
     job = CheckpointJob.from_checkpoint(cfg, task, splits=("test", "val", "train"))
     job.load_data("predict")  # bad data fails now
     job.begin()  # config.yaml shown and written

@@ -476,14 +476,14 @@ PATH_SETTINGS = [
         "predict",
         ["ckpt_path={ckpt}", "images={typed}"],
         None,
-        "typo/a/b: no images",
+        "typo/a/b: no such file or folder",
         id="predict-images",
     ),
     pytest.param(
         "predict",
         ["ckpt_path={ckpt}", "images=none", "hydra.run.dir={typed}"],
         None,
-        "none: no images here",
+        "none: no such file or folder",
         id="predict-hydra.run.dir",
     ),
 ]

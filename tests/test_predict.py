@@ -32,3 +32,17 @@ def test_new_inputs_reach_the_tasks_reader_as_typed(tmp_path: Path) -> None:
     cfg = compose_config("predict", ["ckpt_path=x.ckpt", "inputs='Return the '"], tmp_path)
     predict(cfg, replace(TASK, predict_inputs=reader))
     assert seen == [("x.ckpt", "Return the ", "predictions_inputs.csv")]
+
+
+def test_a_list_of_inputs_is_refused_in_one_line(tmp_path: Path) -> None:
+    cfg = compose_config("predict", ["ckpt_path=x.ckpt", "inputs=[a.png,b.png]"], tmp_path)
+    reader = replace(TASK, predict_inputs=lambda *args: Path())
+    with pytest.raises(ConfigError, match=r"inputs=\['a.png', 'b.png'\] is a list; give one value"):
+        predict(cfg, reader)
+
+
+def test_a_split_of_a_task_without_predictions_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Before any folder or rank: a task without Task.predictions writes no split's CSV."""
+    cfg = compose_config("predict", ["ckpt_path=x.ckpt"], tmp_path)
+    with pytest.raises(ConfigError, match="this task writes no predictions of a data split"):
+        predict(cfg, replace(TASK, predictions=None))

@@ -29,8 +29,14 @@ def image_paths(pattern: str) -> list[Path]:
         found = [p for p in root.rglob("*") if p.suffix.lower() in EXTENSIONS]
     else:
         found = [Path(p) for p in glob.glob(str(root), recursive=True) if Path(p).is_file()]
+    kinds = ", ".join(sorted(EXTENSIONS))
+    if not found and not (root.exists() or any(mark in pattern for mark in "*?[")):
+        raise DataError(
+            f"{pattern}: no such file or folder; give image files ({kinds}): a folder, a file "
+            "or a glob"
+        )
     if not found:
-        raise DataError(f"{pattern}: no images here ({', '.join(sorted(EXTENSIONS))})")
+        raise DataError(f"{pattern}: no images here ({kinds})")
     return sorted(found)
 
 
@@ -64,5 +70,5 @@ def predict_images(
             confidence, predicted = model(normalize(images)).softmax(dim=1).max(dim=1)
             for path, label, p in zip(chunk, predicted.tolist(), confidence.tolist(), strict=True):
                 writer.writerow([str(path), label, classes[label], f"{p:.6f}"])
-    print(f"{len(paths)} images classified: {out}")
+    print(f"{len(paths)} image(s) classified: {out}")
     return out
