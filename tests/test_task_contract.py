@@ -60,14 +60,26 @@ def set_line(path: Path, pattern: str, line: str) -> None:
     path.write_text(text)
 
 
+# The image task's benchmarks and notebooks, deleted with it (docs/make-it-yours.md, step 1).
+KEPT_BENCHMARKS = {"__init__.py", "tracking_load.py", "gpu_check.py"}
+
+
+def image_extras(root: Path) -> list[Path]:
+    benchmarks = [p for p in (root / "benchmarks").glob("*.*") if p.name not in KEPT_BENCHMARKS]
+    return [*benchmarks, *(root / "notebooks").glob("*.ipynb")]
+
+
 def make_it_a_regression(copy: Path) -> None:
     """The steps of docs/make-it-yours.md for another kind of task, in ``copy``."""
-    # 1. Delete the image task: its package, its tests and the configs of its datasets and networks.
+    # 1. Delete the image task: its package, its tests, the configs of its datasets and networks,
+    # its benchmarks and notebooks.
     shutil.rmtree(copy / "src" / "task")
     shutil.rmtree(copy / "tests" / "task", ignore_errors=True)  # absent in a project made so
     for group in ("data", "model", "experiment", "hparams_search"):
         for path in (copy / "conf" / group).glob("*.yaml"):
             path.unlink()
+    for path in image_extras(copy):
+        path.unlink()
     # 2. Write the new one: src/task/ (TASK and what it names), conf/data/, conf/model/.
     shutil.copytree(REGRESSION, copy, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__py*"))
     # 3. Point the entry points' defaults at it (the sweep metric follows its TASK.monitor).
@@ -100,7 +112,8 @@ def test_only_the_task_and_its_configs_change(project: Path) -> None:
     """Every file outside src/task/ and conf/ is the original's, byte for byte (the machinery
     in src/template/ and the entry points included); nothing of the image task is left."""
     edited = tuple(f"{path}/" for path in TASK_PATHS)
-    original = {p for p in files(PROJECT) if p.split("/")[0] not in LEFT_OUT}
+    deleted = {p.relative_to(PROJECT).as_posix() for p in image_extras(PROJECT)}
+    original = {p for p in files(PROJECT) if p.split("/")[0] not in LEFT_OUT} - deleted
     outside = sorted(p for p in files(project) if not p.startswith(edited))
     assert outside == sorted(p for p in original if not p.startswith(edited))
     _, mismatch, errors = filecmp.cmpfiles(PROJECT, project, outside, shallow=False)
@@ -278,6 +291,7 @@ def test_the_machinery_tests_pass_without_the_image_task(project: Path, tmp_path
     fork = tmp_path / "fork"
     shutil.copytree(project, fork, ignore=leave_out)  # its own: the module's copy stays as made
     subprocess.run(["git", "init", "-q"], cwd=fork, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=fork, check=True)  # what pre-commit's hooks check
     env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]

@@ -99,7 +99,9 @@ class CharGPT(L.LightningModule):
         super().__init__()
         self.save_hyperparameters(logger=False)
         self.net = GPT(vocab_size, block_size, width, layers, heads, dropout)
-        self.train_loss, self.val_loss, self.test_loss = TokenLoss(), TokenLoss(), TokenLoss()
+        self.train_loss = TokenLoss()
+        self.val_loss = TokenLoss()
+        self.test_loss = TokenLoss()
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.net(tokens)
