@@ -14,9 +14,6 @@ to 2 of those visible (on 1 GPU there is one rank, where both settings train ali
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,8 +22,8 @@ import lightning.pytorch as L
 import torch
 
 from benchmarks.run import summary, synchronize
+from benchmarks.sharding import probed_job
 
-ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 3  # steps left out
 
 
@@ -56,34 +53,8 @@ class StepTimes(L.Callback):
 
 def job(exact: bool, devices: int, steps: int, data: list[str], workdir: Path) -> list[dict]:
     """One ``python -m src.train strategy=ddp`` job; its ranks' figures."""
-    run_dir = Path(tempfile.mkdtemp(dir=workdir, prefix=f"exact-{exact}-"))
-    probe = "+callbacks.extra.step_times"
-    command = [
-        sys.executable,
-        "-m",
-        "src.train",
-        *data,
-        "strategy=ddp",
-        f"devices={devices}",
-        f"strategy.exact={exact}",
-        "logger=none",
-        "callbacks.progress_bar=none",
-        "trainer.max_epochs=1",
-        f"trainer.limit_train_batches={WARMUP + steps}",
-        "trainer.limit_val_batches=0",
-        "trainer.limit_test_batches=1",
-        "trainer.num_sanity_val_steps=0",
-        f"{probe}._target_=benchmarks.exact.StepTimes",
-        f"{probe}.out={run_dir}",
-        f"{probe}.steps={steps}",
-        f"hydra.run.dir={run_dir}",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(command, cwd=workdir, capture_output=True, text=True, env=env)
-    reports = sorted(run_dir.glob("rank*.json"))
-    if proc.returncode or len(reports) != devices:
-        raise RuntimeError(f"job failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return [json.loads(report.read_text()) for report in reports]
+    overrides = [*data, "strategy=ddp", f"devices={devices}", f"strategy.exact={exact}"]
+    return probed_job(overrides, "benchmarks.exact.StepTimes", steps, WARMUP, devices, workdir)
 
 
 def measure(workdir: Path, tiny: bool, repeats: int, steps: int = 40) -> dict[str, dict]:

@@ -86,6 +86,40 @@ class RankMemory(L.Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures))
 
 
+def probed_job(
+    overrides: Sequence[str], probe: str, steps: int, warmup: int, devices: int, workdir: Path
+) -> list[dict]:
+    """One short ``python -m src.train`` job (``overrides``: data, strategy, devices, ...) with
+    the callback ``probe`` (a class path, built with ``out`` and ``steps``) added through
+    ``callbacks.extra``, which writes each rank's figures to ``{out}/rank{k}.json``: their list,
+    rank by rank."""
+    run_dir = Path(tempfile.mkdtemp(dir=workdir, prefix="job-"))
+    extra = "+callbacks.extra.probe"
+    command = [
+        sys.executable,
+        "-m",
+        "src.train",
+        *overrides,
+        "logger=none",
+        "callbacks.progress_bar=none",
+        "trainer.max_epochs=1",
+        f"trainer.limit_train_batches={warmup + steps}",
+        "trainer.limit_val_batches=0",
+        "trainer.limit_test_batches=1",
+        "trainer.num_sanity_val_steps=0",
+        f"{extra}._target_={probe}",
+        f"{extra}.out={run_dir}",
+        f"{extra}.steps={steps}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(command, cwd=workdir, capture_output=True, text=True, env=env)
+    reports = sorted(run_dir.glob("rank*.json"))
+    if proc.returncode or len(reports) != devices:
+        raise RuntimeError(f"job failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return [json.loads(report.read_text()) for report in reports]
+
+
 def job(
     strategy: str,
     devices: int,
@@ -96,35 +130,9 @@ def job(
     extra: Sequence[str] = (),
 ) -> list[dict]:
     """One ``python -m src.train`` job (``extra``: more overrides); its ranks' figures."""
-    run_dir = Path(tempfile.mkdtemp(dir=workdir, prefix=f"{strategy}-"))
-    probe = "+callbacks.extra.rank_memory"
-    command = [
-        sys.executable,
-        "-m",
-        "src.train",
-        *data,
-        f"strategy={strategy}",
-        f"devices={devices}",
-        f"model.net.hidden={hidden}",
-        "logger=none",
-        "callbacks.progress_bar=none",
-        "trainer.max_epochs=1",
-        f"trainer.limit_train_batches={WARMUP + steps}",
-        "trainer.limit_val_batches=0",
-        "trainer.limit_test_batches=1",
-        "trainer.num_sanity_val_steps=0",
-        f"{probe}._target_=benchmarks.sharding.RankMemory",
-        f"{probe}.out={run_dir}",
-        f"{probe}.steps={steps}",
-        *extra,
-        f"hydra.run.dir={run_dir}",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(command, cwd=workdir, capture_output=True, text=True, env=env)
-    reports = sorted(run_dir.glob("rank*.json"))
-    if proc.returncode or len(reports) != devices:
-        raise RuntimeError(f"{strategy} job failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return [json.loads(report.read_text()) for report in reports]
+    overrides = [*data, f"strategy={strategy}", f"devices={devices}", f"model.net.hidden={hidden}"]
+    probe = "benchmarks.sharding.RankMemory"
+    return probed_job([*overrides, *extra], probe, steps, WARMUP, devices, workdir)
 
 
 def measure(workdir: Path, tiny: bool, repeats: int) -> dict[str, dict]:
