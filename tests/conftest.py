@@ -251,6 +251,14 @@ def one_error_line(stderr: str) -> str:
     return line
 
 
+def signal_at_step(at: str) -> dict[str, str]:
+    """``run_entry``'s ``env`` for a job whose rank 0 gets a real signal in a chosen training
+    step (``"14:SIGTERM"``): a stop at a known step, the job's config unchanged
+    (tests/signal_at_step)."""
+    path = os.pathsep.join([str(PROJECT / "tests" / "signal_at_step"), str(PROJECT)])
+    return {"PYTHONPATH": path, "SIGNAL_AT_STEP": at}
+
+
 def run_entry(
     module: str,
     *overrides: str,

@@ -22,7 +22,7 @@ from src.template.sharded import (
     save_swapped,
     staging_folder,
 )
-from tests.conftest import read_metrics, run_entry, tiny_overrides
+from tests.conftest import read_metrics, run_entry, signal_at_step, tiny_overrides
 from tests.test_eval import best_checkpoint
 
 
@@ -165,11 +165,11 @@ def test_fsdp_checkpoint_folders_resume_on_one_rank_evaluate_and_consolidate(
         "strategy=fsdp",
         f"paths.root_dir={tmp_path}",
     ]
-    first = tmp_path / "first"
+    whole = tmp_path / "whole"
     run_entry(
-        "train", *same, "trainer.max_epochs=1", "devices=2", f"hydra.run.dir={first}", cwd=tmp_path
+        "train", *same, "trainer.max_epochs=2", "devices=2", f"hydra.run.dir={whole}", cwd=tmp_path
     )
-    last = first / "checkpoints" / "last.ckpt"
+    last = whole / "checkpoints" / "last.ckpt"
     assert sorted(path.name for path in last.iterdir()) == [
         ".metadata",
         "__0_0.distcp",
@@ -177,11 +177,11 @@ def test_fsdp_checkpoint_folders_resume_on_one_rank_evaluate_and_consolidate(
         META_FILE,
     ]
     assert sorted(path.name for path in last.parent.iterdir()) == [
-        best_checkpoint(first).name,
+        best_checkpoint(whole).name,
         "last.ckpt",
     ]
     logged = list(
-        tmp_path.glob(f"mlartifacts/*/artifacts/checkpoints/{best_checkpoint(first).name}/*")
+        tmp_path.glob(f"mlartifacts/*/artifacts/checkpoints/{best_checkpoint(whole).name}/*")
     )
     assert len(logged) == 4, "the best checkpoint's folder is the run's artifact"
 
@@ -203,10 +203,21 @@ def test_fsdp_checkpoint_folders_resume_on_one_rank_evaluate_and_consolidate(
         assert proc.stderr.strip().splitlines()[-1].startswith(error), proc.stderr[-2000:]
     assert not (tmp_path / "outputs").exists()
 
-    whole = tmp_path / "whole"
-    run_entry(
-        "train", *same, "trainer.max_epochs=2", "devices=2", f"hydra.run.dir={whole}", cwd=tmp_path
+    # The same job stopped mid-epoch 2 (ranks agree every 3rd step: asked in 14, after 16)...
+    stopped = tmp_path / "stopped"
+    proc = run_entry(
+        "train",
+        *same,
+        "trainer.max_epochs=2",
+        "devices=2",
+        "callbacks.stop_check_every_n_steps=3",
+        f"hydra.run.dir={stopped}",
+        cwd=tmp_path,
+        check=False,
+        env=signal_at_step("14:SIGTERM"),
     )
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    # ... resumes on one rank to the weights of the job that was not stopped.
     resumed = tmp_path / "resumed"
     run_entry(
         "train",
@@ -214,21 +225,21 @@ def test_fsdp_checkpoint_folders_resume_on_one_rank_evaluate_and_consolidate(
         "trainer.max_epochs=2",
         "devices=1",
         "strategy.sharded_checkpoints=false",  # rank 0 gathers one file
-        f"ckpt_path={last}",
+        f"ckpt_path={stopped / 'checkpoints' / 'last.ckpt'}",
         f"hydra.run.dir={resumed}",
         cwd=tmp_path,
     )
     assert (resumed / "checkpoints" / "last.ckpt").is_file()
-    expected = read_checkpoint(str(whole / "checkpoints" / "last.ckpt"))
+    expected = read_checkpoint(str(last))
     got = read_checkpoint(str(resumed / "checkpoints" / "last.ckpt"))
     assert got["global_step"] == expected["global_step"]
     for name, value in expected["state_dict"].items():
         torch.testing.assert_close(got["state_dict"][name], value, atol=1e-5, rtol=1e-4, msg=name)
 
-    best = best_checkpoint(first)
+    best = best_checkpoint(whole)
     proc = run_entry("consolidate", str(best), "--output", str(tmp_path / "b.ckpt"), cwd=tmp_path)
     assert proc.stdout.startswith(f"wrote {tmp_path / 'b.ckpt'}: ")
-    tested = read_metrics(first)["test/loss"]
+    tested = read_metrics(whole)["test/loss"]
     for ckpt in (best, tmp_path / "b.ckpt"):
         run_dir = tmp_path / f"eval-{ckpt.name}"
         run_entry(

@@ -28,10 +28,10 @@ from tests.conftest import (
     kill_process_trees,
     read_metrics,
     run_entry,
+    signal_at_step,
     tiny_overrides,
 )
 from tests.test_readme import arguments, override, page_command, split_top_level
-from tests.test_resume import SIGNAL_AT_STEP
 from tests.test_train import assert_same_tensors
 
 pytestmark = pytest.mark.slow
@@ -268,10 +268,7 @@ def test_a_killed_optuna_search_run_again_resumes_its_unfinished_trial(
     ]
     (tmp_path / "ref").mkdir()  # its own optuna.db
     run_entry("train", "-m", *args, "hydra.sweep.dir=reference", cwd=tmp_path / "ref")
-    env = {
-        "PYTHONPATH": os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)]),
-        "SIGNAL_AT_STEP": "9:SIGKILL",
-    }  # mid-epoch, after the step-8 checkpoint
+    env = signal_at_step("9:SIGKILL")  # mid-epoch, after the step-8 checkpoint
     killed = run_entry(
         "train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path, check=False, env=env
     )
