@@ -20,6 +20,11 @@ from src.template.task import Task
 
 def predict(cfg: DictConfig, task: Task) -> Path:
     if cfg.get("inputs") is not None:  # new, unlabelled inputs: the task's own reader
+        if cfg.get("images") is not None and cfg.inputs != cfg.images:
+            raise ConfigError(
+                f"images={cfg.images} and inputs={cfg.inputs} together: images= is the image "
+                "task's name for inputs=; give one"
+            )
         if task.predict_inputs is None:
             raise ConfigError(
                 f"inputs={cfg.inputs}: this task predicts its data splits only (split=test, val "

@@ -18,8 +18,8 @@ from src.template.checkpoint import (
     check_fits,
     check_same_job,
     job_settings,
+    limit_reached,
     load_for_inference,
-    nothing_left_to_train,
     read_checkpoint,
     read_weights,
     settings_to_record,
@@ -288,15 +288,16 @@ def test_resume_may_differ_lists_keys_the_config_has(tmp_path: Path) -> None:
     assert {"trainer.limit_train_batches", "trainer.precision", "data.batch_size"} <= set(settings)
 
 
-def test_nothing_left_to_train_once_max_epochs_or_max_steps_is_reached() -> None:
+def test_the_limit_a_finished_job_reached_is_the_key_to_raise() -> None:
     def saved(epochs: int, step: int) -> dict:
         progress = {"epoch_progress": {"current": {"processed": epochs}}}
         return {"global_step": step, "loops": {"fit_loop": progress}}
 
-    assert nothing_left_to_train(saved(3, 30), {"max_epochs": 3, "max_steps": -1})
-    assert not nothing_left_to_train(saved(3, 30), {"max_epochs": 4, "max_steps": -1})
-    assert nothing_left_to_train(saved(1, 14), {"max_epochs": 3, "max_steps": 14})
-    assert not nothing_left_to_train(saved(1, 14), {"max_epochs": 3, "max_steps": -1})
+    assert limit_reached(saved(3, 30), {"max_epochs": 3, "max_steps": -1}) == "trainer.max_epochs"
+    assert limit_reached(saved(3, 30), {"max_epochs": 4, "max_steps": -1}) is None
+    assert limit_reached(saved(1, 14), {"max_epochs": 3, "max_steps": 14}) == "trainer.max_steps"
+    assert limit_reached(saved(1, 14), {"max_epochs": -1, "max_steps": 14}) == "trainer.max_steps"
+    assert limit_reached(saved(1, 14), {"max_epochs": 3, "max_steps": -1}) is None
 
 
 def test_ckpt_path_and_weights_from_together_are_refused(tmp_path: Path) -> None:

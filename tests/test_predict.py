@@ -41,6 +41,13 @@ def test_a_list_of_inputs_is_refused_in_one_line(tmp_path: Path) -> None:
         predict(cfg, reader)
 
 
+def test_images_and_inputs_together_are_refused_in_one_line(tmp_path: Path) -> None:
+    """images= is inputs= by another name: given both, neither is dropped quietly."""
+    cfg = compose_config("predict", ["ckpt_path=x.ckpt", "images=a", "inputs=b"], tmp_path)
+    with pytest.raises(ConfigError, match="images=a and inputs=b together: images= is the image"):
+        predict(cfg, TASK)
+
+
 def test_a_split_of_a_task_without_predictions_is_refused_in_one_line(tmp_path: Path) -> None:
     """Before any folder or rank: a task without Task.predictions writes no split's CSV."""
     cfg = compose_config("predict", ["ckpt_path=x.ckpt"], tmp_path)

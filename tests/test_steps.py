@@ -106,16 +106,53 @@ def test_a_max_steps_beyond_max_epochs_is_named_at_start(
     ]
 
 
+UNVALIDATED = {
+    # name: the Trainer's loop arguments (5 steps an epoch), the note at start, the steps
+    # Lightning validated after
+    "every 3 steps of the job, 8 steps": (
+        {
+            "max_epochs": -1,
+            "max_steps": 8,
+            "check_val_every_n_epoch": None,
+            "val_check_interval": 3,
+        },
+        "Note: steps 7-8 are trained but never validated (the last validation is after step 6; "
+        "the best checkpoint is chosen among the validations up to it). For a validation at the "
+        "end, use e.g. trainer.max_steps=9",
+        [3, 6],
+    ),
+    "at each epoch's end, 3 steps": (
+        {"max_epochs": 2, "max_steps": 3},
+        "Note: this job ends at step 3, before its first validation (after step 5): it chooses "
+        "no best checkpoint and tests last.ckpt. To validate, use e.g. trainer.max_steps=5, or "
+        "validate every N steps: trainer.val_check_interval=N trainer.check_val_every_n_epoch=null",
+        [],
+    ),
+    "every 0.4 of an epoch, 1 epoch": (
+        {"max_epochs": 1, "val_check_interval": 0.4},
+        "Note: step 5 is trained but never validated (the last validation is after step 4; the "
+        "best checkpoint is chosen among the validations up to it). For a validation at the end, "
+        "use e.g. trainer.max_steps=7 trainer.max_epochs=-1",
+        [2, 4],
+    ),
+    "every 2nd epoch, 3 epochs": (
+        {"max_epochs": 3, "check_val_every_n_epoch": 2},
+        "Note: steps 11-15 are trained but never validated (the last validation is after step "
+        "10; the best checkpoint is chosen among the validations up to it). For a validation at "
+        "the end, use e.g. trainer.max_steps=20 trainer.max_epochs=-1",
+        [10],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", UNVALIDATED)
 def test_steps_after_the_last_validation_are_named_at_start(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    every = {"check_val_every_n_epoch": None, "val_check_interval": 3}
-    fit(tmp_path, GlobalStepAxis(), max_epochs=-1, max_steps=8, **every)
-    assert notes(capsys) == [
-        "Note: trainer.max_steps=8 is no multiple of trainer.val_check_interval=3: steps 7-8 "
-        "are trained but never validated (the best checkpoint is chosen among the validations "
-        "up to step 6). For a validation at the end, use e.g. trainer.max_steps=9"
-    ]
+    loop, note, validated = UNVALIDATED[case]
+    rows = fit(tmp_path, GlobalStepAxis(), **loop)
+    assert notes(capsys) == [note]
+    assert steps_of(rows, "val/loss") == validated
 
 
 def test_a_job_counted_in_steps_and_validated_at_its_end_says_nothing(

@@ -390,13 +390,16 @@ def epochs_done(saved: Mapping[str, Any]) -> int:
     return saved["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"]
 
 
-def nothing_left_to_train(saved: Mapping[str, Any], trainer: Mapping[str, Any]) -> bool:
-    """Whether the checkpoint's job already reached ``trainer.max_epochs`` or ``max_steps``."""
+def limit_reached(saved: Mapping[str, Any], trainer: Mapping[str, Any]) -> str | None:
+    """The key whose end the checkpoint's job already reached (``trainer.max_steps`` or
+    ``trainer.max_epochs``: the one to raise to train it longer), or None: it trains on."""
     max_steps = trainer.get("max_steps", -1)
     if max_steps is not None and max_steps != -1 and saved["global_step"] >= max_steps:
-        return True
+        return "trainer.max_steps"
     max_epochs = trainer.get("max_epochs")
-    return max_epochs is not None and max_epochs != -1 and epochs_done(saved) >= max_epochs
+    if max_epochs is not None and max_epochs != -1 and epochs_done(saved) >= max_epochs:
+        return "trainer.max_epochs"
+    return None
 
 
 def read_weights(cfg: DictConfig) -> dict[str, Any] | None:

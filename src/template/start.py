@@ -45,10 +45,11 @@ def where_to_start(cfg: DictConfig, settings: JobSettings, ran_before: bool) -> 
     checkpoint.check_same_job(saved, cfg, ckpt_path)
     finished_run = finished_job_run(saved, cfg.logger, settings, ckpt_path)
     folder = Path(ckpt_path).parent.parent
-    if finished_run is not None and checkpoint.nothing_left_to_train(saved, cfg.trainer):
+    limit = checkpoint.limit_reached(saved, cfg.trainer)
+    if finished_run is not None and limit:
         say(
             f"{folder}: this job finished; its result is read back (metrics.json). "
-            "To train it longer, raise trainer.max_epochs"
+            f"To train it longer, raise {limit}"
         )
         reporting.remove_attempt_record()  # a folder Hydra made for nothing
         result = sweeps.finished_result(folder, cfg.optimized_metric)

@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 # Lightning's own keys: a logged "step" is every logger's x-axis for the values logged with it
 # (LoggerConnector.log_metrics); "epoch" is what Lightning adds when no "step" is logged.
@@ -24,7 +25,8 @@ class GlobalStepAxis(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero:
-            for line in filter(None, (epochs_end_first(trainer), unvalidated_steps(trainer))):
+            notes = (epochs_end_first(trainer), unvalidated_steps(trainer, pl_module))
+            for line in filter(None, notes):
                 print(line)
 
     def on_train_batch_end(
@@ -83,25 +85,64 @@ def epochs_end_first(trainer: L.Trainer) -> str | None:
     )
 
 
-def unvalidated_steps(trainer: L.Trainer) -> str | None:
-    """Where a job validated every N steps of the job (``check_val_every_n_epoch=null``) ends
-    between two validations: its last steps are trained but never validated, and the best
-    checkpoint, which the job tests, is chosen among the validations before."""
-    every = trainer.val_check_interval
-    max_steps = trainer.max_steps
-    counted_in_steps = trainer.check_val_every_n_epoch is None and isinstance(every, int)
-    if not counted_in_steps or max_steps in (-1, None) or trainer.accumulate_grad_batches != 1:
+def unvalidated_steps(trainer: L.Trainer, pl_module: L.LightningModule) -> str | None:
+    """Where a job ends after its last validation, or before its first: its last steps are
+    trained but never validated, and the best checkpoint, which the job tests, is chosen among
+    the validations before (with none, the test runs on last.ckpt). Lightning validates at
+    multiples of ``val_check_batch`` only (of the epoch's batches, or of the job's with
+    ``check_val_every_n_epoch=null``), not at the step ``max_steps`` ends on."""
+    batches = trainer.num_training_batches
+    every = trainer.val_check_batch
+    validates = trainer.limit_val_batches != 0 and is_overridden("validation_step", pl_module)
+    if not validates or trainer.accumulate_grad_batches != 1 or math.isinf(batches * every):
         return None
-    last = max_steps // every * every
-    if last == max_steps:
+    limits = [trainer.max_steps] if trainer.max_steps not in (-1, None) else []
+    if trainer.max_epochs not in (-1, None):
+        limits.append(trainer.max_epochs * batches)
+    if not limits:
         return None
-    steps = f"step {max_steps} is" if last + 1 == max_steps else f"steps {last + 1}-{max_steps} are"
+    end = min(limits)
+    last, later = validations_around(end, batches, every, trainer.check_val_every_n_epoch)
+    if last == end:
+        return None
+    cut_by_epochs = trainer.max_epochs not in (-1, None) and later > trainer.max_epochs * batches
+    fix = f"trainer.max_steps={later}" + (" trainer.max_epochs=-1" if cut_by_epochs else "")
+    if last == 0:
+        return (
+            f"Note: this job ends at step {end}, before its first validation (after step "
+            f"{later}): it chooses no best checkpoint and tests last.ckpt. To validate, use e.g. "
+            f"{fix}, or validate every N steps: trainer.val_check_interval=N "
+            "trainer.check_val_every_n_epoch=null"
+        )
+    steps = f"step {end} is" if last + 1 == end else f"steps {last + 1}-{end} are"
     return (
-        f"Note: trainer.max_steps={max_steps} is no multiple of trainer.val_check_interval="
-        f"{every}: {steps} trained but never validated (the best checkpoint is chosen among the "
-        f"validations up to step {last}). For a validation at the end, use e.g. "
-        f"trainer.max_steps={last + every}"
+        f"Note: {steps} trained but never validated (the last validation is after step {last}; "
+        f"the best checkpoint is chosen among the validations up to it). For a validation at the "
+        f"end, use e.g. {fix}"
     )
+
+
+def validations_around(
+    end: int, batches: int, every: int, every_n_epochs: int | None
+) -> tuple[int, int]:
+    """The step of the last validation at or before step ``end`` (0: none) and of the first
+    after it, for epochs of ``batches`` steps validated after every ``every`` steps of the job
+    (``every_n_epochs`` None) or of every ``every_n_epochs``-th epoch."""
+    if every_n_epochs is None:
+        last = end // every * every
+        return last, last + every
+    epoch, done = divmod(end - 1, batches)  # step ``end`` is the (done + 1)-th of ``epoch``
+    done += 1
+    validating = (epoch + 1) % every_n_epochs == 0
+    before = epoch // every_n_epochs * every_n_epochs - 1  # the last validating epoch before
+    if validating and done >= every:
+        last = epoch * batches + done // every * every
+    else:
+        last = before * batches + batches // every * every if before >= 0 else 0
+    if validating and (done // every + 1) * every <= batches:
+        return last, epoch * batches + (done // every + 1) * every
+    following = ((epoch + 1) // every_n_epochs + 1) * every_n_epochs - 1
+    return last, following * batches + every
 
 
 def without_position(metrics: dict[str, float]) -> dict[str, float]:
