@@ -96,16 +96,15 @@ def unvalidated_steps(trainer: L.Trainer, pl_module: L.LightningModule) -> str |
     validates = trainer.limit_val_batches != 0 and is_overridden("validation_step", pl_module)
     if not validates or trainer.accumulate_grad_batches != 1 or math.isinf(batches * every):
         return None
-    limits = [trainer.max_steps] if trainer.max_steps not in (-1, None) else []
-    if trainer.max_epochs not in (-1, None):
-        limits.append(trainer.max_epochs * batches)
+    by_epochs = trainer.max_epochs * batches if trainer.max_epochs not in (-1, None) else None
+    limits = [limit for limit in (trainer.max_steps, by_epochs) if limit not in (-1, None)]
     if not limits:
         return None
     end = min(limits)
     last, later = validations_around(end, batches, every, trainer.check_val_every_n_epoch)
     if last == end:
         return None
-    cut_by_epochs = trainer.max_epochs not in (-1, None) and later > trainer.max_epochs * batches
+    cut_by_epochs = by_epochs is not None and later > by_epochs
     fix = f"trainer.max_steps={later}" + (" trainer.max_epochs=-1" if cut_by_epochs else "")
     if last == 0:
         return (
