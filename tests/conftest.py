@@ -251,11 +251,15 @@ def one_error_line(stderr: str) -> str:
     return line
 
 
+# Test instruments put on PYTHONPATH: a signal, a pause or a slower step at a chosen point.
+SIGNAL_AT_STEP = PROJECT / "tests" / "signal_at_step"
+
+
 def signal_at_step(at: str) -> dict[str, str]:
     """``run_entry``'s ``env`` for a job whose rank 0 gets a real signal in a chosen training
     step (``"14:SIGTERM"``): a stop at a known step, the job's config unchanged
     (tests/signal_at_step)."""
-    path = os.pathsep.join([str(PROJECT / "tests" / "signal_at_step"), str(PROJECT)])
+    path = os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)])
     return {"PYTHONPATH": path, "SIGNAL_AT_STEP": at}
 
 

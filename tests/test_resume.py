@@ -22,13 +22,13 @@ from tests.conftest import (
     read_metrics,
     run_entry,
     run_job,
+    signal_at_step,
     tiny_overrides,
 )
 from tests.test_train import EPOCH_METRICS, assert_same_tensors
 
 EPOCHS = 3
 EPOCH_ENDS = epoch_ends(EPOCHS)  # where the tiny job logs its metrics
-SIGNAL_AT_STEP = PROJECT / "tests" / "signal_at_step"
 # In parallel runs (-n), one worker runs this module: its tests share the reference jobs.
 pytestmark = pytest.mark.xdist_group("resume")
 
@@ -78,10 +78,8 @@ def approx_points(points: list[tuple[int, float]]) -> list[tuple[int, object]]:
 
 def stopped_job(workdir: Path, args: list[str], signal_at: str | None) -> int:
     """Run ``src.train`` until it stops; its exit code."""
-    path = [str(SIGNAL_AT_STEP), str(PROJECT)] if signal_at else [str(PROJECT)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    if signal_at:
-        env["SIGNAL_AT_STEP"] = signal_at
+    signal = signal_at_step(signal_at) if signal_at else {}
+    env = {**os.environ, "PYTHONPATH": str(PROJECT), **signal}
     command = [sys.executable, "-m", "src.train", *args, "hydra.run.dir=run"]
     proc = run_job(command, cwd=workdir, env=env)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -248,12 +246,12 @@ def test_stop_refused_resume_resume_as_printed_again_lengthen_and_new_job_from_w
 ) -> None:
     """A user's sequence: each step leaves one true record per job (run, logged model and
     metrics.json agree); a finished run is never reopened."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)])}
+    env = {**os.environ, "PYTHONPATH": str(PROJECT)}
     args = [*tiny_overrides(tiny_root, model=True), "trainer.max_epochs=2", "hydra.run.dir=run"]
     stopped = run_job(
         [sys.executable, "-m", "src.train", *args],
         cwd=tmp_path,
-        env={**env, "SIGNAL_AT_STEP": "14:SIGTERM"},
+        env={**env, **signal_at_step("14:SIGTERM")},
     )
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     (line,) = [x for x in stopped.stderr.splitlines() if x.startswith("Stopped. To continue: ")]

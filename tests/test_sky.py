@@ -15,6 +15,7 @@ import yaml
 
 from tests.conftest import (
     PROJECT,
+    SIGNAL_AT_STEP,
     assert_rank_logs,
     assert_same_metrics,
     free_port,
@@ -23,7 +24,6 @@ from tests.conftest import (
     tiny_overrides,
 )
 from tests.test_distributed import launch_together
-from tests.test_resume import SIGNAL_AT_STEP
 from tests.test_server import (
     ADMIN_PASSWORD,
     BUCKET_LOGIN,
