@@ -35,7 +35,7 @@ from tests.conftest import (
     tiny_overrides,
 )
 from tests.idx_data import make_dataset
-from tests.image_data import make_image_folder
+from tests.image_data import make_image_folder, spoil
 from tests.test_distributed import final_weights
 from tests.test_train import assert_same_tensors
 
@@ -109,7 +109,9 @@ def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
 ) -> None:
     """The files are read a chunk at a time (never the split at once), yet the digest and
     statistics are those of the whole split, and the shards decode to its pixels. Each file is
-    stored as it is: augmentation crops it at its own size; without, it is resized as in memory."""
+    stored as it is: augmentation crops it at its own size; without, it is resized as in memory.
+    Unreadable files left out (data.skip_unreadable=true): the shards hold what the in-memory
+    dataset holds with the same setting."""
     from src.prepare import scan
     from src.task.data.augment import augment_one, sample_generator
     from src.task.data.image_folder import ImageFolderDataModule
@@ -119,30 +121,40 @@ def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
     odd = sorted((images / "train").rglob("*.png"))[::4]  # other sizes, other aspect ratios
     for k, path in enumerate(odd):
         Image.open(path).resize((20 + 9 * k, 60 - 3 * k)).save(path)
-    run_entry(
+    spoil(images)  # 2 train and 1 test file truncated, a .txt, a grayscale PNG
+    done = run_entry(
         "prepare",
         "data=image_folder",
         f"data.root={images}",
         "data.image_size=[32,32]",
         "data.val_size=5",
+        "data.skip_unreadable=true",
         f"out={out}",
         "hydra.run.dir=prepare",
         cwd=tmp_path,
     )
-    source = ImageFolderDataModule("image_folder", str(images), [32, 32], 3, 8, val_size=5)
+    assert (
+        "Note: 3 unreadable image files (train 2, test 1) left out (data.skip_unreadable=true), "
+        f"listed in {tmp_path}/prepare/unreadable.txt; remaining: 44 train, 14 test"
+    ) in done.stdout.splitlines()
+    source = ImageFolderDataModule(
+        "image_folder", str(images), [32, 32], 3, 8, val_size=5, skip_unreadable=True
+    )
     labels, image_at = source.sample_source("train")
-    digest, counts = scan(source, "train", labels, image_at, chunk=7)  # 45 images: 7 chunks
+    digest, counts = scan(source, "train", labels, image_at, chunk=7)  # 46 files: 7 chunks
     whole = TensorSplit(*source.read("train"))  # sets mean/std from the whole split
     assert digest == whole.digest() and channel_statistics(counts) == (source.mean, source.std)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["identity"]["digests"]["train"] == digest
     assert (tuple(manifest["mean"]), tuple(manifest["std"])) == (source.mean, source.std)
+    assert manifest["left_out"] == {"train": 2, "test": 1} and manifest["counts"]["train"] == 44
+    assert manifest["source_sizes"] == {"min": [27, 20], "max": [60, 119]}  # H, W
     shards = ShardDataModule("shards", str(out), batch_size=8, val_size=5)
     for split in ("train", "test"):
         assert (
             TensorSplit(*shards.read(split)).digest() == TensorSplit(*source.read(split)).digest()
         )
-    files = source.sample_source("train")[1].files
+    files = image_at.subset(image_at.findings.readable()).files  # the 44 left
     shards.setup("fit")
     settings = check_augment({"crop_scale": [0.5, 1.0], "flip": True})
     augmented = AugmentedSplit(shards.train_set, settings, 7, shards.mean, shards.std, (3, 32, 32))
@@ -157,6 +169,36 @@ def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
         expected = augment_one(own.float() / 255, settings, sample_generator(7, 2, index), (32, 32))
         assert torch.allclose(batch.inputs[row], (expected - mean) / std, atol=1e-5)
     assert any(Path(files[i]) in odd for i in batch.indices.tolist())
+
+
+def test_prepare_says_sizes_skipped_files_and_every_unreadable_file_in_one_pass(
+    tmp_path: Path,
+) -> None:
+    """Issue 60's folder (64x64 JPEGs, 3 truncated, a .txt, a grayscale PNG): one scan finds all
+    three and refuses after it, naming the list (the job's folder keeps it; no out= folder).
+    Converted with data.skip_unreadable=true: the test above."""
+    images = make_image_folder(tmp_path / "images", 4, 2, size=(64, 64), suffix=".jpg")
+    bad = spoil(images)
+    out = tmp_path / "out"
+    args = ["data=image_folder", f"data.root={images}", "data.val_size=5", f"out={out}"]
+    refused = run_entry("prepare", *args, "hydra.run.dir=refused", cwd=tmp_path, check=False)
+    said = refused.stdout.splitlines()
+    assert refused.returncode == 1 and not out.exists()
+    assert said[0] == (
+        "Note: images are 64x64; training resizes them to 32x32 (data.image_size=[32,32]); "
+        "to train at their own size: data.image_size=[64,64]"
+    )
+    job = tmp_path / "refused"
+    assert said[1] == (
+        "Note: 1 file skipped (not images: 1 .txt) and 1 image converted (1 L to RGB); "
+        f"listed in {job}/skipped_or_converted.txt"
+    )
+    assert refused.stderr.strip() == (
+        f"Error: 3 unreadable image files (train 2, test 1), listed in {job}/unreadable.txt; "
+        "remove or replace them, or leave them out with data.skip_unreadable=true"
+    )
+    listed = (job / "unreadable.txt").read_text().splitlines()
+    assert [row.split("\t")[0] for row in listed] == [str(path) for path in bad]
 
 
 def test_an_interrupted_conversion_continues_where_it_stopped(tmp_path: Path) -> None:
