@@ -392,14 +392,34 @@ def test_predict_classifies_a_folder_of_new_images(
         path = folder / ("nested" if i % 2 else "") / f"{i:03d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(images[i, 0].numpy()).save(path)
+    # What a folder of new images also holds: each said, none stops the job.
+    (folder / "readme.txt").write_text("not an image")
+    Image.fromarray(images[0, 0].numpy()).convert("RGB").resize((56, 56)).save(folder / "big.png")
+    cut = (folder / "000.png").read_bytes()
+    (folder / "cut.png").write_bytes(cut[: len(cut) // 2])
     ckpt = tmp_path / "t" / "checkpoints" / "last.ckpt"
-    run_entry("predict", f"ckpt_path={ckpt}", f"images={folder}", "hydra.run.dir=p", cwd=tmp_path)
-    with (tmp_path / "p" / "predictions_inputs.csv").open() as f:
+    done = run_entry(
+        "predict", f"ckpt_path={ckpt}", f"images={folder}", "hydra.run.dir=p", cwd=tmp_path
+    )
+    job = tmp_path / "p"
+    assert done.stdout.splitlines()[-4:] == [
+        "Note: images are 28x28 to 56x56 (heights 28-56, widths 28-56); they are resized to "
+        "28x28, the size the model was trained at",
+        "Note: 1 file skipped (not images: 1 .txt) and 1 image converted (1 RGB to L); listed "
+        f"in {job}/skipped_or_converted.txt",
+        f"Note: 1 unreadable image file left out, listed in {job}/unreadable.txt; remaining: "
+        "31 to classify",
+        f"31 image(s) classified: {job}/predictions_inputs.csv",
+    ]
+    assert (job / "unreadable.txt").read_text().startswith(f"{folder}/cut.png\t")
+    with (job / "predictions_inputs.csv").open() as f:
         rows = list(csv.DictReader(f))
     paths = [r["path"] for r in rows]
     assert paths == sorted(paths) and {Path(p).name for p in paths} == {
-        f"{i:03d}.png" for i in range(30)
+        *(f"{i:03d}.png" for i in range(30)),
+        "big.png",
     }
+    rows = [r for r in rows if Path(r["path"]).stem.isdigit()]
     assert all(0 < float(r["confidence"]) <= 1 for r in rows)
     right = sum(int(r["class_name"]) == int(labels[int(Path(r["path"]).stem)]) for r in rows)
     assert right >= 27, rows  # the tiny data is learnable: test accuracy is ~1

@@ -172,7 +172,21 @@ class ImageFolderDataModule(ImageDataModule):
         once for all of them: sizes, skipped files and converted modes, and every unreadable
         file (refused after the pass, or left out with ``data.skip_unreadable=true``)."""
         self._findings: dict[str, Findings] = {}
-        super().load(stage)
+        try:
+            super().load(stage)
+        except DataError:
+            if not any(found.errors for found in self._findings.values()):
+                raise
+            # Unreadable files first (another check stopped the load: the training split's size
+            # counts them): the test split is decoded too, so the list holds every one.
+            if stage in (None, "test") and "test" not in self._findings:
+                self.load_test()
+            self.say_findings()
+            raise
+        self.say_findings()
+
+    def say_findings(self) -> None:
+        """What this load's pass found, said; refused here if files were unreadable."""
         if self._findings:
             size = self.image_shape[1:]
             said(self._findings, size, self.image_shape[0], self.hparams.skip_unreadable)
