@@ -105,7 +105,7 @@ def test_prepare_writes_what_the_source_holds_and_refuses_other_data(
 
 
 def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """The files are read a chunk at a time (never the split at once), yet the digest and
     statistics are those of the whole split, and the shards decode to its pixels. Each file is
@@ -155,7 +155,13 @@ def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
             TensorSplit(*shards.read(split)).digest() == TensorSplit(*source.read(split)).digest()
         )
     files = image_at.subset(image_at.findings.readable()).files  # the 44 left
-    shards.setup("fit")
+    capsys.readouterr()
+    shards.setup("fit")  # training on the shards names the files' own sizes, with the fix
+    assert capsys.readouterr().out.splitlines() == [
+        "Note: images are 27x20 to 60x119 (heights 27-60, widths 20-119); training resizes them "
+        "to 32x32 (data.image_size=[32,32] of src.prepare); to train at another size: "
+        "src.prepare out=NEW_FOLDER data.image_size=[H,W]"
+    ]
     settings = check_augment({"crop_scale": [0.5, 1.0], "flip": True})
     augmented = AugmentedSplit(shards.train_set, settings, 7, shards.mean, shards.std, (3, 32, 32))
     rows = list(range(len(shards.train_set)))

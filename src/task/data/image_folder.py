@@ -199,7 +199,8 @@ class ImageFolderDataModule(ImageDataModule):
         self._findings = {**getattr(self, "_findings", {}), split: findings}
         if findings.errors and self.hparams.skip_unreadable:  # else load() refuses, after all
             kept = torch.from_numpy(findings.readable())
-            images, labels = drop_rows(images, kept), labels[kept]
+            images = drop_rows(images, kept)
+            labels = labels[kept]
         if split == "train" and self.mean is None:
             # Per-channel statistics of the training pixels (set data.mean/std to fix them).
             self.mean, self.std = channel_statistics(pixel_counts(images))

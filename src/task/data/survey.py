@@ -39,7 +39,9 @@ class Findings:
         self.errors: dict[int, str] = {}
 
     def saw(self, i: int, height: int, width: int, mode: str) -> None:
-        self.heights[i], self.widths[i], self.modes[i] = height, width, mode
+        self.heights[i] = height
+        self.widths[i] = width
+        self.modes[i] = mode
 
     def failed(self, i: int, error: BaseException) -> None:
         self.errors[i] = f"{type(error).__name__}: {error}"
@@ -98,7 +100,8 @@ def size_note(
     height, width = size
     if sizes is None or list(sizes["min"]) == list(sizes["max"]) == [height, width]:
         return None
-    (low_h, low_w), (high_h, high_w) = sizes["min"], sizes["max"]
+    low_h, low_w = sizes["min"]
+    high_h, high_w = sizes["max"]
     if (low_h, low_w) == (high_h, high_w):
         own = f"{low_h}x{low_w}"
     else:
