@@ -112,6 +112,8 @@ def test_every_unreadable_file_is_found_in_one_pass_then_refused(tmp_path: Path)
     rows = listed(line, "unreadable.txt")
     assert [row.split("\t")[0] for row in rows] == [str(path) for path in bad]
     assert all("truncated" in row.lower() for row in rows), rows
+    with pytest.raises(DataError, match="^2 unreadable image files, listed in "):
+        datamodule(tmp_path, val_size=2).read("train")  # a split read on its own: refused too
 
 
 def test_skip_unreadable_leaves_them_out_and_counts_them(tmp_path: Path, capsys) -> None:

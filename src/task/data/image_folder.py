@@ -171,7 +171,7 @@ class ImageFolderDataModule(ImageDataModule):
         """The splits ``stage`` needs, each file decoded once; then what that pass found, said
         once for all of them: sizes, skipped files and converted modes, and every unreadable
         file (refused after the pass, or left out with ``data.skip_unreadable=true``)."""
-        self._findings: dict[str, Findings] = {}
+        self._findings: dict[str, Findings] | None = {}
         try:
             super().load(stage)
         except DataError:
@@ -187,16 +187,21 @@ class ImageFolderDataModule(ImageDataModule):
 
     def say_findings(self) -> None:
         """What this load's pass found, said; refused here if files were unreadable."""
-        if self._findings:
+        found = self._findings
+        self._findings = None  # from here a read() outside load() says its own
+        if found:
             size = self.image_shape[1:]
-            said(self._findings, size, self.image_shape[0], self.hparams.skip_unreadable)
+            said(found, size, self.image_shape[0], self.hparams.skip_unreadable)
 
     def read(self, split: str) -> tuple[Tensor, Tensor]:
         channels, *size = self.image_shape
         labels, image_at = surveyed(self.root / split, self.classes, channels, tuple(size))
         images = read_images(image_at, range(len(labels)))
         findings = image_at.findings
-        self._findings = {**getattr(self, "_findings", {}), split: findings}
+        if getattr(self, "_findings", None) is None:  # read on its own: said (refused) here
+            said({split: findings}, size, channels, self.hparams.skip_unreadable)
+        else:  # in load(): said once for every split it reads
+            self._findings[split] = findings
         if findings.errors and self.hparams.skip_unreadable:  # else load() refuses, after all
             kept = torch.from_numpy(findings.readable())
             images = drop_rows(images, kept)

@@ -189,7 +189,8 @@ def said(
         f.skipped or f.errors or any(m not in (None, target) for m in f.modes)
         for f in findings.values()
     )
-    where = where or (output_folder() if to_list else Path())
+    listing = to_list and rank_zero_only.rank == 0  # the other ranks write nothing
+    where = where or (output_folder() if listing else Path())
     notes = size_note(own_sizes(findings), size, size_key), skip_note(findings, channels, where)
     for line in notes:
         if line:
