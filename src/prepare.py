@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
@@ -29,6 +30,7 @@ from torch import Tensor
 from src.task import TASK
 from src.task.data.images import channel_statistics, pixel_counts, read_images
 from src.task.data.shards import litdata
+from src.task.data.survey import own_sizes, said
 from src.template import entry
 from src.template.config import check_choice, check_keys
 from src.template.data import DataError
@@ -68,16 +70,25 @@ def scan(
 ) -> tuple[str, Tensor]:
     """One pass over a split, a chunk of images at a time: each chunk checked as training checks
     the split, the split's content digest (the one the in-memory dataset logs) and its pixel
-    counts (for mean/std)."""
+    counts (for mean/std). Files (``image_at.findings``) that do not decode are recorded there
+    and left out of both, so the digest is that of the split without them (which the shards hold
+    with ``data.skip_unreadable=true``; without, the job is refused after the scan)."""
     md5 = hashlib.md5()
     counts = None
+    findings = getattr(image_at, "findings", None)
     for start in range(0, len(labels), chunk):
         indices = range(start, min(start + chunk, len(labels)))
         images = read_images(image_at, indices)
+        if findings is not None and findings.errors:
+            images = images[torch.tensor([i not in findings.errors for i in indices])]
+            if not len(images):
+                continue
         datamodule.check(split, images, labels[start : indices.stop])
         md5.update(images.numpy())
         chunk_counts = pixel_counts(images)
         counts = chunk_counts if counts is None else counts + chunk_counts
+    if findings is not None and findings.errors:
+        labels = labels[findings.readable()]
     md5.update(labels.numpy())
     return md5.hexdigest(), counts
 
@@ -137,6 +148,26 @@ def check_order(folder: Path) -> list[int]:
     return [chunk["chunk_size"] for chunk in chunks]
 
 
+def said_and_kept(datamodule: Any, sources: dict[str, tuple[Tensor, Any]]) -> dict[str, Any]:
+    """What the scan of a dataset of files found, said (sizes, skipped files, converted modes,
+    unreadable files: refused, or left out of ``sources`` with ``data.skip_unreadable=true``).
+    The findings per split; none for a dataset of pixels."""
+    found = {
+        name: image_at.findings
+        for name, (_, image_at) in sources.items()
+        if getattr(image_at, "findings", None) is not None
+    }
+    if not found:
+        return found
+    channels, *size = datamodule.image_shape
+    skip = bool(datamodule.hparams.get("skip_unreadable"))
+    for name, rows in said(found, size, channels, skip).items():
+        labels, image_at = sources[name]
+        if len(rows) < len(labels):
+            sources[name] = (labels[torch.from_numpy(rows)], image_at.subset(rows))
+    return found
+
+
 def manifest_for(
     out: Path, datamodule: Any, sources: dict[str, tuple[Tensor, Any]], image_format: str
 ) -> dict[str, Any]:
@@ -144,6 +175,7 @@ def manifest_for(
     new one. Read a chunk at a time, as training reads the data (and checks it): a folder of
     millions of images converts in flat memory; each image is decoded twice (scan, then write)."""
     scanned = {name: scan(datamodule, name, *source) for name, source in sources.items()}
+    found = said_and_kept(datamodule, sources)
     digests = {name: digest for name, (digest, _) in scanned.items()}
     if datamodule.mean is None:  # statistics of the training pixels, as read("train") sets them
         datamodule.mean, datamodule.std = channel_statistics(scanned["train"][1])
@@ -159,6 +191,9 @@ def manifest_for(
         "counts": {name: len(labels) for name, (labels, _) in sources.items()},
         "complete": [],
     }
+    if found:  # the files' own sizes: training on the shards says where they are resized
+        manifest["source_sizes"] = own_sizes(found)
+        manifest["left_out"] = {name: len(f.errors) for name, f in found.items()}
     # data=shards' default: the source's carve-out (not what the shards hold: a rerun updates it)
     manifest["val_size"] = datamodule.hparams.val_size
     return manifest

@@ -26,8 +26,10 @@ def make_image_folder(
     channels: int = 3,
     seed: int = 0,
     classes: tuple[str, ...] = CLASSES,
+    suffix: str = ".png",
 ) -> Path:
-    """``root/{train,test}/<class>/<n>.png``: ``n_train``/``n_test`` images per class."""
+    """``root/{train,test}/<class>/<n>.png`` (or ``suffix``: ``.jpg``): ``n_train``/``n_test``
+    images per class."""
     rng = np.random.default_rng(seed)
     mode = {1: "L", 3: "RGB"}[channels]
     for split, count in (("train", n_train), ("test", n_test)):
@@ -37,6 +39,23 @@ def make_image_folder(
             for i in range(count):
                 pixels = learnable_image(label, size, channels, rng)
                 Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels, mode).save(
-                    folder / f"{i:04d}.png"
+                    folder / f"{i:04d}{suffix}"
                 )
     return root
+
+
+def spoil(root: Path) -> list[Path]:
+    """What a real folder holds besides its images (issue 60): three truncated files (two in
+    train/, one in test/: each cut in half), a ``.txt`` in a class folder and a grayscale PNG
+    among RGB images. The truncated files, in listing order."""
+    files = (
+        sorted((root / "train").rglob("0001.*"))[:2] + sorted((root / "test").rglob("0000.*"))[:1]
+    )
+    for path in files:
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    first = sorted((root / "train").iterdir())[0]
+    (first / "notes.txt").write_text("not an image")
+    with Image.open(sorted(first.glob("0002.*"))[0]) as image:
+        image.convert("L").save(first / "gray.png")
+    return files

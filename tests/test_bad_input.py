@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import N_TRAIN, run_entry, tiny_overrides
 from tests.forked_entry import ForkedEntry
-from tests.image_data import make_image_folder
+from tests.image_data import make_image_folder, spoil
 
 pytestmark = pytest.mark.slow
 
@@ -315,6 +315,32 @@ def test_a_small_image_folder(
         tmp_path, *overrides, data_root=small_images, base=as_typed, forked=forked
     )
     assert message in stderr
+
+
+def test_unreadable_images_are_all_listed_before_the_ranks_start(
+    tmp_path: Path, forked: ForkedEntry
+) -> None:
+    """Issue 60's trial as typed (a folder with 3 truncated JPEGs, DDP on 2 ranks): one line
+    naming all three, before any rank, run or checkpoint; the output folder is kept only for
+    the lists that line names (docs/troubleshooting.md)."""
+    images = make_image_folder(tmp_path / "images", n_train=4, n_test=2, suffix=".jpg")
+    bad = spoil(images)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    as_typed = ["data=image_folder", f"data.root={images}", "model=resnet", "strategy=ddp"]
+    proc = forked.run("train", *as_typed, "devices=2", "data.val_size=5", cwd=workdir)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert errors[0].startswith("Error: 3 unreadable image files (train 2, test 1), listed in ")
+    assert errors[0].endswith("or leave them out with data.skip_unreadable=true")
+    listed = Path(errors[0].split("listed in ")[1].split(";")[0])
+    assert [row.split("\t")[0] for row in listed.read_text().splitlines()] == list(map(str, bad))
+    job = listed.parent
+    left = {p.name for p in job.rglob("*") if p.is_file() and ".hydra" not in p.parts}
+    assert left <= {"unreadable.txt", "skipped_or_converted.txt", "train.log"}, left
+    assert not (workdir / "mlflow.db").exists(), "a refused job creates no MLflow store or run"
+    assert not list(workdir.rglob("*.ckpt")) and "rank 1" not in proc.stderr
 
 
 # --- nothing created for a mistake: every path-valued setting, typed with a mistake in it

@@ -15,18 +15,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from src.task.data.image_folder import EXTENSIONS, decode
+from src.task.data.image_folder import EXTENSIONS, FileImages
 from src.task.data.images import Normalize
+from src.task.data.survey import Findings, said
 from src.template.checkpoint import model_from_checkpoint, read_checkpoint
 from src.template.data import DataError
 from src.template.task import Task
 
 
-def image_paths(pattern: str) -> list[Path]:
-    """A folder's images (recursively) or a glob's files, sorted; refuse none."""
+def image_paths(pattern: str) -> tuple[list[Path], list[Path]]:
+    """A folder's images (recursively) or a glob's files, sorted; refuse none. And the other
+    files of the folder (skipped, to be named; hidden files and folders are not looked at)."""
     root = Path(pattern).expanduser()
+    skipped = []
     if root.is_dir():
-        found = [p for p in root.rglob("*") if p.suffix.lower() in EXTENSIONS]
+        found = []
+        for path in root.rglob("*"):
+            if any(part.startswith(".") for part in path.relative_to(root).parts):
+                continue
+            if path.suffix.lower() in EXTENSIONS:
+                found.append(path)
+            elif path.is_file():
+                skipped.append(path)
     else:
         found = [Path(p) for p in glob.glob(str(root), recursive=True) if Path(p).is_file()]
     kinds = ", ".join(sorted(EXTENSIONS))
@@ -37,7 +47,7 @@ def image_paths(pattern: str) -> list[Path]:
         )
     if not found:
         raise DataError(f"{pattern}: no images here ({kinds})")
-    return sorted(found)
+    return sorted(found), sorted(skipped)
 
 
 def data_state(saved: dict[str, Any], task: Task) -> dict[str, Any]:
@@ -58,17 +68,28 @@ def predict_images(
     channels, height, width = model.hparams.image_shape
     normalize = Normalize(state["mean"], state["std"])
     classes = state["classes"]
-    paths = image_paths(pattern)
+    paths, skipped = image_paths(pattern)
+    findings = Findings([str(path) for path in paths], [str(path) for path in skipped])
+    images_at = FileImages(findings.files, channels, (height, width), findings)
     out.parent.mkdir(parents=True, exist_ok=True)
+    classified = 0
     with out.open("w", newline="") as f, torch.no_grad():
         writer = csv.writer(f)
         writer.writerow(["path", "predicted", "class_name", "confidence"])
         for start in range(0, len(paths), batch_size):
-            chunk = paths[start : start + batch_size]
-            pixels = [decode(p, channels, (height, width)) for p in chunk]
+            rows = range(start, min(start + batch_size, len(paths)))
+            pixels = [images_at(i) for i in rows]
+            rows = [i for i in rows if i not in findings.errors]  # each unreadable one listed
+            if not rows:
+                continue
+            pixels = [pixels[i - start] for i in rows]
             images = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2)
             confidence, predicted = model(normalize(images)).softmax(dim=1).max(dim=1)
-            for path, label, p in zip(chunk, predicted.tolist(), confidence.tolist(), strict=True):
-                writer.writerow([str(path), label, classes[label], f"{p:.6f}"])
-    print(f"{len(paths)} image(s) classified: {out}")
+            for i, label, p in zip(rows, predicted.tolist(), confidence.tolist(), strict=True):
+                writer.writerow([str(paths[i]), label, classes[label], f"{p:.6f}"])
+            classified += len(rows)
+    # Sizes, skipped files, converted modes; unreadable files left out of the CSV and listed
+    # beside it (a prediction leaves out only their rows, each named; nothing is trained on).
+    said({"to classify": findings}, (height, width), channels, None, None, out.parent)
+    print(f"{classified} image(s) classified: {out}")
     return out

@@ -35,7 +35,7 @@ from tests.conftest import (
     tiny_overrides,
 )
 from tests.idx_data import make_dataset
-from tests.image_data import make_image_folder
+from tests.image_data import make_image_folder, spoil
 from tests.test_distributed import final_weights
 from tests.test_train import assert_same_tensors
 
@@ -105,11 +105,13 @@ def test_prepare_writes_what_the_source_holds_and_refuses_other_data(
 
 
 def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """The files are read a chunk at a time (never the split at once), yet the digest and
     statistics are those of the whole split, and the shards decode to its pixels. Each file is
-    stored as it is: augmentation crops it at its own size; without, it is resized as in memory."""
+    stored as it is: augmentation crops it at its own size; without, it is resized as in memory.
+    Unreadable files left out (data.skip_unreadable=true): the shards hold what the in-memory
+    dataset holds with the same setting."""
     from src.prepare import scan
     from src.task.data.augment import augment_one, sample_generator
     from src.task.data.image_folder import ImageFolderDataModule
@@ -119,31 +121,47 @@ def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
     odd = sorted((images / "train").rglob("*.png"))[::4]  # other sizes, other aspect ratios
     for k, path in enumerate(odd):
         Image.open(path).resize((20 + 9 * k, 60 - 3 * k)).save(path)
-    run_entry(
+    spoil(images)  # 2 train and 1 test file truncated, a .txt, a grayscale PNG
+    done = run_entry(
         "prepare",
         "data=image_folder",
         f"data.root={images}",
         "data.image_size=[32,32]",
         "data.val_size=5",
+        "data.skip_unreadable=true",
         f"out={out}",
         "hydra.run.dir=prepare",
         cwd=tmp_path,
     )
-    source = ImageFolderDataModule("image_folder", str(images), [32, 32], 3, 8, val_size=5)
+    assert (
+        "Note: 3 unreadable image files (train 2, test 1) left out (data.skip_unreadable=true), "
+        f"listed in {tmp_path}/prepare/unreadable.txt; remaining: 44 train, 14 test"
+    ) in done.stdout.splitlines()
+    source = ImageFolderDataModule(
+        "image_folder", str(images), [32, 32], 3, 8, val_size=5, skip_unreadable=True
+    )
     labels, image_at = source.sample_source("train")
-    digest, counts = scan(source, "train", labels, image_at, chunk=7)  # 45 images: 7 chunks
+    digest, counts = scan(source, "train", labels, image_at, chunk=7)  # 46 files: 7 chunks
     whole = TensorSplit(*source.read("train"))  # sets mean/std from the whole split
     assert digest == whole.digest() and channel_statistics(counts) == (source.mean, source.std)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["identity"]["digests"]["train"] == digest
     assert (tuple(manifest["mean"]), tuple(manifest["std"])) == (source.mean, source.std)
+    assert manifest["left_out"] == {"train": 2, "test": 1} and manifest["counts"]["train"] == 44
+    assert manifest["source_sizes"] == {"min": [27, 20], "max": [60, 119]}  # H, W
     shards = ShardDataModule("shards", str(out), batch_size=8, val_size=5)
     for split in ("train", "test"):
         assert (
             TensorSplit(*shards.read(split)).digest() == TensorSplit(*source.read(split)).digest()
         )
-    files = source.sample_source("train")[1].files
-    shards.setup("fit")
+    files = image_at.subset(image_at.findings.readable()).files  # the 44 left
+    capsys.readouterr()
+    shards.setup("fit")  # training on the shards names the files' own sizes, with the fix
+    assert capsys.readouterr().out.splitlines() == [
+        "Note: images are 27x20 to 60x119 (heights 27-60, widths 20-119); training resizes them "
+        "to 32x32 (data.image_size=[32,32] of src.prepare); to train at another size: "
+        "src.prepare out=NEW_FOLDER data.image_size=[H,W]"
+    ]
     settings = check_augment({"crop_scale": [0.5, 1.0], "flip": True})
     augmented = AugmentedSplit(shards.train_set, settings, 7, shards.mean, shards.std, (3, 32, 32))
     rows = list(range(len(shards.train_set)))
@@ -157,6 +175,36 @@ def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
         expected = augment_one(own.float() / 255, settings, sample_generator(7, 2, index), (32, 32))
         assert torch.allclose(batch.inputs[row], (expected - mean) / std, atol=1e-5)
     assert any(Path(files[i]) in odd for i in batch.indices.tolist())
+
+
+def test_prepare_says_sizes_skipped_files_and_every_unreadable_file_in_one_pass(
+    tmp_path: Path,
+) -> None:
+    """Issue 60's folder (64x64 JPEGs, 3 truncated, a .txt, a grayscale PNG): one scan finds all
+    three and refuses after it, naming the list (the job's folder keeps it; no out= folder).
+    Converted with data.skip_unreadable=true: the test above."""
+    images = make_image_folder(tmp_path / "images", 4, 2, size=(64, 64), suffix=".jpg")
+    bad = spoil(images)
+    out = tmp_path / "out"
+    args = ["data=image_folder", f"data.root={images}", "data.val_size=5", f"out={out}"]
+    refused = run_entry("prepare", *args, "hydra.run.dir=refused", cwd=tmp_path, check=False)
+    said = refused.stdout.splitlines()
+    assert refused.returncode == 1 and not out.exists()
+    assert said[0] == (
+        "Note: images are 64x64; training resizes them to 32x32 (data.image_size=[32,32]); "
+        "to train at their own size: data.image_size=[64,64]"
+    )
+    job = tmp_path / "refused"
+    assert said[1] == (
+        "Note: 1 file skipped (not images: 1 .txt) and 1 image converted (1 L to RGB); "
+        f"listed in {job}/skipped_or_converted.txt"
+    )
+    assert refused.stderr.strip() == (
+        f"Error: 3 unreadable image files (train 2, test 1), listed in {job}/unreadable.txt; "
+        "remove or replace them, or leave them out with data.skip_unreadable=true"
+    )
+    listed = (job / "unreadable.txt").read_text().splitlines()
+    assert [row.split("\t")[0] for row in listed] == [str(path) for path in bad]
 
 
 def test_an_interrupted_conversion_continues_where_it_stopped(tmp_path: Path) -> None:
@@ -350,14 +398,34 @@ def test_predict_classifies_a_folder_of_new_images(
         path = folder / ("nested" if i % 2 else "") / f"{i:03d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(images[i, 0].numpy()).save(path)
+    # What a folder of new images also holds: each said, none stops the job.
+    (folder / "readme.txt").write_text("not an image")
+    Image.fromarray(images[0, 0].numpy()).convert("RGB").resize((56, 56)).save(folder / "big.png")
+    cut = (folder / "000.png").read_bytes()
+    (folder / "cut.png").write_bytes(cut[: len(cut) // 2])
     ckpt = tmp_path / "t" / "checkpoints" / "last.ckpt"
-    run_entry("predict", f"ckpt_path={ckpt}", f"images={folder}", "hydra.run.dir=p", cwd=tmp_path)
-    with (tmp_path / "p" / "predictions_inputs.csv").open() as f:
+    done = run_entry(
+        "predict", f"ckpt_path={ckpt}", f"images={folder}", "hydra.run.dir=p", cwd=tmp_path
+    )
+    job = tmp_path / "p"
+    assert done.stdout.splitlines()[-4:] == [
+        "Note: images are 28x28 to 56x56 (heights 28-56, widths 28-56); they are resized to "
+        "28x28, the size the model was trained at",
+        "Note: 1 file skipped (not images: 1 .txt) and 1 image converted (1 RGB to L); listed "
+        f"in {job}/skipped_or_converted.txt",
+        f"Note: 1 unreadable image file left out, listed in {job}/unreadable.txt; remaining: "
+        "31 to classify",
+        f"31 image(s) classified: {job}/predictions_inputs.csv",
+    ]
+    assert (job / "unreadable.txt").read_text().startswith(f"{folder}/cut.png\t")
+    with (job / "predictions_inputs.csv").open() as f:
         rows = list(csv.DictReader(f))
     paths = [r["path"] for r in rows]
     assert paths == sorted(paths) and {Path(p).name for p in paths} == {
-        f"{i:03d}.png" for i in range(30)
+        *(f"{i:03d}.png" for i in range(30)),
+        "big.png",
     }
+    rows = [r for r in rows if Path(r["path"]).stem.isdigit()]
     assert all(0 < float(r["confidence"]) <= 1 for r in rows)
     right = sum(int(r["class_name"]) == int(labels[int(Path(r["path"]).stem)]) for r in rows)
     assert right >= 27, rows  # the tiny data is learnable: test accuracy is ~1

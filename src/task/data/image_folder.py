@@ -2,12 +2,12 @@
 ``<root>/test/<class>/*.jpg``, decoded once into the same in-memory ``uint8`` tensor the IDX
 datasets use, so batches are sliced as fast."""
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import UnidentifiedImageError
 from torch import Tensor
 
 from src.task.data.augment import check_augment
@@ -16,10 +16,12 @@ from src.task.data.images import (
     ImageDataModule,
     channel_statistics,
     decode_image,
+    decode_source,
     pixel_counts,
     read_images,
 )
-from src.template.data import DataError
+from src.task.data.survey import DECODE_ERRORS, Findings, said
+from src.template.data import DataError, drop_rows
 
 EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 
@@ -37,56 +39,83 @@ def class_folders(split_dir: Path) -> list[Path]:
     return folders
 
 
-def image_files(folder: Path) -> list[Path]:
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in EXTENSIONS)
-    if not files:
+def image_files(folder: Path) -> tuple[list[Path], list[Path]]:
+    """A class folder's image files (by extension) and what else it holds (skipped, named)."""
+    with os.scandir(folder) as found:  # the file type from the listing: no stat per file
+        entries = sorted((e for e in found if not e.name.startswith(".")), key=lambda e: e.name)
+    images = {e.name for e in entries if e.is_file() and Path(e.name).suffix.lower() in EXTENSIONS}
+    if not images:
         raise DataError(f"{folder} holds no images ({', '.join(sorted(EXTENSIONS))})")
-    return files
+    files = [folder / e.name for e in entries if e.name in images]
+    return files, [folder / e.name for e in entries if e.name not in images]
 
 
 def decode(path: Path, channels: int, size: Sequence[int] | None) -> np.ndarray:
     """:func:`decode_image`, a broken file named in one line."""
     try:
         return decode_image(path, channels, size)
-    except (OSError, UnidentifiedImageError, ValueError) as error:
+    except DECODE_ERRORS as error:
         raise DataError(f"{path}: not a readable image ({error}); remove or replace it") from error
 
 
-def listing(split_dir: Path, classes: Sequence[str]) -> tuple[list[str], Tensor]:
-    """The split's image files in (class, file name) order and their labels: a sample's index
-    is stable as long as the folder does not change."""
+def listing(split_dir: Path, classes: Sequence[str]) -> tuple[list[str], Tensor, list[str]]:
+    """The split's image files in (class, file name) order, their labels, and the other entries
+    of its class folders (skipped). A sample's index is stable as long as the folder does not
+    change."""
     files = []
     labels = []
+    skipped = []
     for label, name in enumerate(classes):
-        found = image_files(split_dir / name)
+        found, others = image_files(split_dir / name)
         files += [str(path) for path in found]
         labels += [label] * len(found)
-    return files, torch.tensor(labels, dtype=torch.long)
+        skipped += [str(path) for path in others]
+    return files, torch.tensor(labels, dtype=torch.long), skipped
 
 
 class FileImages:
     """Image ``i`` of a listing as ``uint8 [H, W, C]``, decoded on demand (picklable);
-    ``original(i)``: its file's bytes, which src.prepare stores as they are (own size)."""
+    ``original(i)``: its file's bytes, which src.prepare stores as they are (own size). With
+    ``findings``, each file's own size and mode are recorded there and an unreadable file is
+    too (its pixels zeros), so that one pass finds them all."""
 
-    def __init__(self, files: list[str], channels: int, size: tuple[int, int]) -> None:
+    def __init__(
+        self,
+        files: list[str],
+        channels: int,
+        size: tuple[int, int],
+        findings: Findings | None = None,
+    ) -> None:
         self.files = files
         self.channels = channels
         self.size = size
+        self.findings = findings
 
     def __call__(self, i: int) -> np.ndarray:
-        return decode(Path(self.files[i]), self.channels, self.size)
+        if self.findings is None:
+            return decode(Path(self.files[i]), self.channels, self.size)
+        try:
+            pixels, height, width, mode = decode_source(self.files[i], self.channels, self.size)
+        except DECODE_ERRORS as error:
+            self.findings.failed(i, error)
+            return np.zeros((*self.size, self.channels), np.uint8)
+        self.findings.saw(i, height, width, mode)
+        return pixels
 
     def original(self, i: int) -> bytes:
         return Path(self.files[i]).read_bytes()
 
+    def subset(self, rows: np.ndarray) -> "FileImages":
+        """Only the files at ``rows`` (those left after the unreadable ones), renumbered."""
+        return FileImages([self.files[i] for i in rows], self.channels, self.size)
 
-def read_folder(
+
+def surveyed(
     split_dir: Path, classes: Sequence[str], channels: int, size: tuple[int, int]
-) -> tuple[Tensor, Tensor]:
-    """Every image of one split as ``uint8 [N, C, H, W]`` and its ``int64`` labels. Each image
-    is decoded straight into its place: memory is the split's pixels, once."""
-    files, labels = listing(split_dir, classes)
-    return read_images(FileImages(files, channels, size), range(len(files))), labels
+) -> tuple[Tensor, FileImages]:
+    """The split's labels and its images, each decoding recorded in ``image_at.findings``."""
+    files, labels, skipped = listing(split_dir, classes)
+    return labels, FileImages(files, channels, size, Findings(files, skipped))
 
 
 class ImageFolderDataModule(ImageDataModule):
@@ -113,6 +142,7 @@ class ImageFolderDataModule(ImageDataModule):
         augment: dict | None = None,
         folds: int | None = None,
         fold: int = 0,
+        skip_unreadable: bool = False,
     ) -> None:
         if channels not in MODES:
             raise DataError(f"data.channels={channels} must be 1 (grayscale) or 3 (RGB)")
@@ -137,9 +167,45 @@ class ImageFolderDataModule(ImageDataModule):
                 f"{list(self.classes)}; both need the same class folders"
             )
 
+    def load(self, stage: str | None = None) -> None:
+        """The splits ``stage`` needs, each file decoded once; then what that pass found, said
+        once for all of them: sizes, skipped files and converted modes, and every unreadable
+        file (refused after the pass, or left out with ``data.skip_unreadable=true``)."""
+        self._findings: dict[str, Findings] | None = {}
+        try:
+            super().load(stage)
+        except DataError:
+            if not any(found.errors for found in self._findings.values()):
+                raise
+            # Unreadable files first (another check stopped the load: the training split's size
+            # counts them): the test split is decoded too, so the list holds every one.
+            if stage in (None, "test") and "test" not in self._findings:
+                self.load_test()
+            self.say_findings()
+            raise
+        self.say_findings()
+
+    def say_findings(self) -> None:
+        """What this load's pass found, said; refused here if files were unreadable."""
+        found = self._findings
+        self._findings = None  # from here a read() outside load() says its own
+        if found:
+            size = self.image_shape[1:]
+            said(found, size, self.image_shape[0], self.hparams.skip_unreadable)
+
     def read(self, split: str) -> tuple[Tensor, Tensor]:
         channels, *size = self.image_shape
-        images, labels = read_folder(self.root / split, self.classes, channels, tuple(size))
+        labels, image_at = surveyed(self.root / split, self.classes, channels, tuple(size))
+        images = read_images(image_at, range(len(labels)))
+        findings = image_at.findings
+        if getattr(self, "_findings", None) is None:  # read on its own: said (refused) here
+            said({split: findings}, size, channels, self.hparams.skip_unreadable)
+        else:  # in load(): said once for every split it reads
+            self._findings[split] = findings
+        if findings.errors and self.hparams.skip_unreadable:  # else load() refuses, after all
+            kept = torch.from_numpy(findings.readable())
+            images = drop_rows(images, kept)
+            labels = labels[kept]
         if split == "train" and self.mean is None:
             # Per-channel statistics of the training pixels (set data.mean/std to fix them).
             self.mean, self.std = channel_statistics(pixel_counts(images))
@@ -147,6 +213,7 @@ class ImageFolderDataModule(ImageDataModule):
 
     def sample_source(self, split: str) -> tuple[Tensor, FileImages]:
         """The split's labels and its images one at a time, from the files: src.prepare
-        converts a folder of millions of images in flat memory."""
-        files, labels = listing(self.root / split, self.classes)
-        return labels, FileImages(files, *self.image_shape[:1], tuple(self.image_shape[1:]))
+        converts a folder of millions of images in flat memory (and says what its scan found:
+        ``image_at.findings``)."""
+        channels, *size = self.image_shape
+        return surveyed(self.root / split, self.classes, channels, tuple(size))

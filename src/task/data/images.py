@@ -26,7 +26,17 @@ def decode_image(
 ) -> np.ndarray:
     """An image file as ``uint8 [H, W, C]``, at its own size or resized to ``size`` (H, W):
     the one decoding of every path (in memory, shards, predict), so all see the same pixels."""
+    return decode_source(file, channels, size)[0]
+
+
+def decode_source(
+    file: str | Path | IO[bytes], channels: int, size: Sequence[int] | None = None
+) -> tuple[np.ndarray, int, int, str]:
+    """:func:`decode_image`, and the file's own height, width and mode (what it was before it
+    was converted and resized: src.task.data.survey says where they differ)."""
     with Image.open(file) as image:
+        width, height = image.size
+        mode = image.mode
         if image.mode.startswith("I"):  # 16- or 32-bit integers: scale, do not clip
             image = Image.fromarray(
                 (np.asarray(image, np.float64) / 257).clip(0, 255).astype(np.uint8)
@@ -35,7 +45,7 @@ def decode_image(
         if size is not None and image.size != (size[1], size[0]):
             image = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
         pixels = np.asarray(image, dtype=np.uint8)  # read-only: callers copy it where it goes
-    return pixels.reshape(pixels.shape[0], pixels.shape[1], -1)
+    return pixels.reshape(pixels.shape[0], pixels.shape[1], -1), height, width, mode
 
 
 class Normalize(nn.Module):

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from src.task.data.augment import AugmentedSplit, check_augment
 from src.task.data.images import ImageDataModule, decode_image
 from src.task.data.partitions import PartitionedBatchSampler, chunk_groups, partition_rows
+from src.task.data.survey import say, size_note
 from src.template.data import Batch, DataError, carve_validation
 from src.template.resume import resume_position
 
@@ -298,6 +299,14 @@ class ShardDataModule(ImageDataModule):
     def load_train(self) -> None:
         if self.train_set is not None:
             return
+        # The files' own sizes (src.prepare recorded them): where they are not the trained size.
+        if note := size_note(
+            self.manifest.get("source_sizes"),
+            self.image_shape[1:],
+            set_by=" of src.prepare",
+            again="src.prepare out=NEW_FOLDER ",
+        ):
+            say(note)
         labels = self._labels("train")
         # The carve-out of every dataset (src/template/data.py): the same validation samples.
         val_idx, train_idx = carve_validation(len(labels), self.hparams)
