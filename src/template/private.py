@@ -64,6 +64,7 @@ __all__ = [
     "SyncBatchNormFunction",
     "differentiable_all_gather",
     "epoch_level_training_results",
+    "forget_step_values",
     "forget_train_loader",
     "reset_window",
     "run_context_tags",
@@ -97,6 +98,15 @@ def reset_window(result: Any) -> None:
     if result.meta.on_step:
         result._forward_cache = step_value
         result.has_reset = False
+
+
+def forget_step_values(trainer: Any, fx: str, names: set[str]) -> None:
+    """Drop ``names``, logged in hook ``fx`` for one step only, at an earlier step: Lightning
+    keeps such a value and sends it again at every logging step of the epoch."""
+    for result in trainer.fit_loop.epoch_loop._results.values():
+        meta = result.meta
+        if meta.fx == fx and meta.name in names and not meta.on_epoch and not result.has_reset:
+            result.reset()
 
 
 def send_step_values(trainer: Any) -> None:

@@ -11,8 +11,9 @@ import lightning.pytorch as L
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from src.template.private import epoch_level_training_results, reset_window
+from src.template.private import epoch_level_training_results, forget_step_values, reset_window
 from src.template.resume import epoch_finished
+from src.template.steps import logs_this_step
 
 
 class TrainingPoints(Callback):
@@ -24,8 +25,11 @@ class TrainingPoints(Callback):
     Put it before :class:`~src.template.shutdown.StopOnSignal` and the checkpoints: a stop or a
     checkpoint at a logging step then holds the emptied window, the point already logged."""
 
+    HOOK = "on_train_batch_end"  # where the points are logged
+
     def __init__(self) -> None:
         self.closed_at = -1  # the step whose window was closed last
+        self.names: set[str] = set()  # the values logged at that step
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # A job resumed at a logging step closed that step's window before it stopped; under
@@ -40,12 +44,16 @@ class TrainingPoints(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        if not logs_this_step(trainer):
+            return  # Lightning sends nothing to the loggers at this step
         step = trainer.global_step
-        every = trainer.log_every_n_steps
-        if every <= 0 or step % every or step == self.closed_at or epoch_finished(trainer):
+        forget_step_values(trainer, self.HOOK, self.names)  # the last point's, not this step's
+        if step % trainer.log_every_n_steps or step == self.closed_at or epoch_finished(trainer):
             return
         self.closed_at = step
-        for name, value, prog_bar in close_window(trainer):
+        points = close_window(trainer)
+        self.names = {name for name, _, _ in points}
+        for name, value, prog_bar in points:
             # At this step only: Lightning sends it to the loggers with the step's other values.
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=prog_bar)
 
