@@ -9,6 +9,7 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from src.template.steps import GlobalStepAxis, without_position
+from src.template.train_points import TrainingPoints
 from tests.machinery_task import SIZES, Regressor, synthetic_data
 
 STEPS_PER_EPOCH = (SIZES["n_train"] - SIZES["val_size"]) // SIZES["batch_size"]  # 5
@@ -49,6 +50,28 @@ def test_every_point_is_at_the_global_step_it_was_computed_after(axis: bool, tmp
     if axis:
         epochs = {int(row["step"]): float(row["epoch"]) for row in rows if "val/loss" in row}
         assert epochs == {2: 0, 4: 0, 7: 1, 9: 1}
+
+
+@pytest.mark.parametrize("machinery", [True, False], ids=["training points", "Lightning's own"])
+def test_a_task_logging_its_metrics_at_epoch_level_gets_a_point_per_window(
+    machinery: bool, tmp_path: Path
+) -> None:
+    """The machinery's task logs its torchmetrics as docs/make-it-yours.md says (objects,
+    on_epoch): every 2 steps of 5-step epochs a point covering the steps since the last (2, 2
+    and 1 an epoch), the epoch's last step covered by Lightning's epoch-end point. Lightning
+    alone charts one point an epoch."""
+    callbacks = [TrainingPoints(), GlobalStepAxis()] if machinery else [GlobalStepAxis()]
+    rows = fit(tmp_path, *callbacks, max_epochs=2, log_every_n_steps=2)
+    batch = SIZES["batch_size"]
+    samples = [
+        (int(row["step"]), float(row["train/samples"])) for row in rows if "train/samples" in row
+    ]
+    if not machinery:
+        assert samples == [(5, 5 * batch), (10, 5 * batch)]
+        return
+    assert samples == [(s, n * batch) for s, n in [(2, 2), (4, 2), (5, 1), (6, 1), (8, 2), (10, 2)]]
+    assert steps_of(rows, "train/loss") == steps_of(rows, "train/mae") == [2, 4, 5, 6, 8, 10]
+    assert steps_of(rows, "val/loss") == [5, 10]  # validation as before
 
 
 class SaveAtTheLastStep(L.Callback):
