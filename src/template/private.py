@@ -66,6 +66,7 @@ __all__ = [
     "epoch_level_training_results",
     "forget_step_values",
     "forget_train_loader",
+    "logged_as_tensor",
     "reset_window",
     "run_context_tags",
     "send_step_values",
@@ -88,6 +89,12 @@ def epoch_level_training_results(trainer: Any) -> list[Any]:
     tensor's running reduction."""
     results = trainer.fit_loop.epoch_loop._results
     return [r for _, r in results.valid_items() if r.meta.on_epoch and r.meta.logger]
+
+
+def logged_as_tensor(result: Any) -> bool:
+    """Whether a result of :func:`epoch_level_training_results` is a tensor's running reduction
+    (Lightning's own state), not a torchmetrics ``Metric`` of the model."""
+    return result.is_tensor
 
 
 def reset_window(result: Any) -> None:

@@ -11,7 +11,12 @@ import lightning.pytorch as L
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from src.template.private import epoch_level_training_results, forget_step_values, reset_window
+from src.template.private import (
+    epoch_level_training_results,
+    forget_step_values,
+    logged_as_tensor,
+    reset_window,
+)
 from src.template.resume import epoch_finished
 from src.template.steps import logs_this_step
 
@@ -30,6 +35,7 @@ class TrainingPoints(Callback):
     def __init__(self) -> None:
         self.closed_at = -1  # the step whose window was closed last
         self.names: set[str] = set()  # the values logged at that step
+        self.named_tensors = False  # the note on tensors logged at epoch level, said once
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # A job resumed at a logging step closed that step's window before it stopped; under
@@ -51,6 +57,10 @@ class TrainingPoints(Callback):
         if step % trainer.log_every_n_steps or step == self.closed_at or epoch_finished(trainer):
             return
         self.closed_at = step
+        if not self.named_tensors:
+            self.named_tensors = True
+            if (line := tensors_note(trainer)) and trainer.is_global_zero:
+                print(line)
         points = close_window(trainer)
         self.names = {name for name, _, _ in points}
         for name, value, prog_bar in points:
@@ -67,3 +77,21 @@ def close_window(trainer: L.Trainer) -> list[tuple[str, Tensor, bool]]:
         points.append((meta.forked_name(on_step=False), result.compute(), meta.prog_bar))
         reset_window(result)
     return points
+
+
+def tensors_note(trainer: L.Trainer) -> str | None:
+    """One line naming the training values logged at epoch level as tensors: their running
+    value is Lightning's, per rank unless ``sync_dist=True``, and not in a checkpoint (the first
+    point after a resume would leave out the steps before the stop)."""
+    names = [
+        result.meta.forked_name(on_step=False)
+        for result in epoch_level_training_results(trainer)
+        if logged_as_tensor(result)
+    ]
+    if not names:
+        return None
+    return (
+        f"Note: {', '.join(names)} logged as tensors at epoch level: not exact across ranks "
+        "without sync_dist=True, nor across a stop and resume. Log torchmetrics metric objects "
+        "instead (docs/make-it-yours.md)"
+    )
