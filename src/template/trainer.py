@@ -97,14 +97,11 @@ def build_callbacks(
     """From the ``callbacks`` section: rank setup log, stop on signal, progress bar and
     ``callbacks.extra`` (any callback by ``_target_``); when training (``monitor``: metric and
     mode) checkpoints and model summary in ``output_dir``."""
-    # Training: each step's points are logged, and their window closed, before a stop can end
-    # the job at that step (StopOnSignal) or a checkpoint saves the window's metric states.
+    # Training: a step's points are logged (their window closed) before a stop can end the job
+    # at that step or a checkpoint saves the window's metric states.
     points = [TrainingPoints(), GlobalStepAxis()] if monitor else []
-    callbacks: list[Callback] = [
-        LogRankSetup(monitor[0] if monitor else ""),
-        *points,
-        StopOnSignal(callbacks_cfg.stop_check_every_n_steps),
-    ]
+    stop = StopOnSignal(callbacks_cfg.stop_check_every_n_steps)
+    callbacks: list[Callback] = [LogRankSetup(monitor[0] if monitor else ""), *points, stop]
     bar = {"rich": RichBar, "tqdm": TqdmBar}.get(callbacks_cfg.progress_bar)
     callbacks += [bar()] if bar else []
     with as_config_error("callbacks.extra"):
