@@ -11,8 +11,12 @@ from src.template.private import (
     SubprocessScriptLauncher,
     SyncBatchNormFunction,
     differentiable_all_gather,
+    epoch_level_training_results,
+    forget_step_values,
     forget_train_loader,
+    reset_window,
     run_context_tags,
+    send_step_values,
     set_num_threads_if_needed,
 )
 
@@ -176,3 +180,31 @@ def test_torchs_sync_batchnorm_function_takes_what_the_global_batchnorm_passes()
         "world_size",
     ]
     assert callable(SyncBatchNormFunction.apply)
+
+
+def test_lightnings_training_results_have_what_training_points_use() -> None:
+    """src/template/train_points.py reads and resets the training loop's results (its test in
+    tests/test_steps.py runs them in a real Trainer)."""
+    import lightning.pytorch as L
+    import torch
+    from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import (
+        _LoggerConnector,
+    )
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    trainer = L.Trainer(logger=False, enable_checkpointing=False)
+    results = trainer.fit_loop.epoch_loop._results
+    assert isinstance(results, _ResultCollection) and results.training
+    results.log("training_step", "both", torch.tensor(2.0), on_step=True, on_epoch=True)
+    results.log("training_step", "epoch", torch.tensor(3.0), on_step=False, on_epoch=True)
+    results.log("on_train_batch_end", "step", torch.tensor(4.0), on_step=True, on_epoch=False)
+    found = {r.meta.forked_name(on_step=False): r for r in epoch_level_training_results(trainer)}
+    assert found.keys() == {"both_epoch", "epoch"}
+    assert [float(r.compute()) for r in found.values()] == [2.0, 3.0]
+    for result in found.values():
+        reset_window(result)
+    assert float(found["both_epoch"]._forward_cache) == 2.0, "the step's value kept"
+    assert not found["both_epoch"].has_reset and found["epoch"].has_reset
+    forget_step_values(trainer, "on_train_batch_end", {"step"})
+    assert results["on_train_batch_end.step"].has_reset
+    assert send_step_values.__doc__ and callable(_LoggerConnector.update_train_step_metrics)

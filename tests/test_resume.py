@@ -28,14 +28,24 @@ from tests.conftest import (
 from tests.test_train import EPOCH_METRICS, assert_same_tensors
 
 EPOCHS = 3
-EPOCH_ENDS = epoch_ends(EPOCHS)  # where the tiny job logs its metrics
+EPOCH_ENDS = epoch_ends(EPOCHS)  # where the tiny job logs its validation metrics
+LOG_EVERY = 4  # and its training metrics: every 4 steps and at each epoch's end
 # In parallel runs (-n), one worker runs this module: its tests share the reference jobs.
 pytestmark = pytest.mark.xdist_group("resume")
 
 
 def overrides(tiny_root: Path, devices: int, strategy: str = "ddp") -> list[str]:
     ranks = [f"strategy={strategy}", f"devices={devices}"] if devices > 1 else []
-    return [*tiny_overrides(tiny_root), f"trainer.max_epochs={EPOCHS}", *ranks]
+    steps = [f"trainer.max_epochs={EPOCHS}", f"trainer.log_every_n_steps={LOG_EVERY}"]
+    return [*tiny_overrides(tiny_root), *steps, *ranks]
+
+
+def points_at(key: str, epochs: int) -> list[int]:
+    """The steps where a job of ``overrides`` with ``epochs`` epochs logs ``key``."""
+    ends = epoch_ends(epochs)
+    if key.startswith("val/"):
+        return ends
+    return sorted(set(range(LOG_EVERY, ends[-1] + 1, LOG_EVERY)) | set(ends))
 
 
 @pytest.fixture(scope="module")
@@ -54,21 +64,28 @@ def reference(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def history(store: Path, runs: int = 1) -> tuple[object, dict[str, list[tuple[int, float]]]]:
-    """The newest of the store's ``runs`` runs, and its epoch metrics' points."""
+def history(
+    store: Path, runs: int = 1, keys: tuple[str, ...] | None = EPOCH_METRICS
+) -> tuple[object, dict[str, list[tuple[int, float]]]]:
+    """The newest of the store's ``runs`` runs, and the points of its ``keys`` (None: every
+    key but the system metrics)."""
     client = MlflowClient(f"sqlite:///{store}")
     experiment = client.get_experiment_by_name("mnist").experiment_id
     found = client.search_runs([experiment], order_by=["attribute.start_time DESC"])
     assert len(found) == runs, [r.info.run_id for r in found]
-    return history_of(client, found[0].info.run_id)
+    return history_of(client, found[0].info.run_id, keys)
 
 
-def history_of(client: MlflowClient, run_id: str) -> tuple[object, dict]:
+def history_of(
+    client: MlflowClient, run_id: str, keys: tuple[str, ...] | None = EPOCH_METRICS
+) -> tuple[object, dict]:
+    run = client.get_run(run_id)
+    every_key = [key for key in run.data.metrics if not key.startswith("system/")]
     points = {
         key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
-        for key in EPOCH_METRICS
+        for key in (every_key if keys is None else keys)
     }
-    return client.get_run(run_id), points
+    return run, points
 
 
 def approx_points(points: list[tuple[int, float]]) -> list[tuple[int, object]]:
@@ -87,9 +104,11 @@ def stopped_job(workdir: Path, args: list[str], signal_at: str | None) -> int:
 
 
 CASES = {
-    # name: devices, extra overrides, signal at step, exit code, step of last.ckpt, run status
+    # name: devices, extra overrides, signal at step, exit code, step of last.ckpt, run status.
+    # Training points every 4 steps: stops at steps 13 and 15 fall between them, at 16 on one.
     "sigterm-mid-epoch": (1, [], "14:SIGTERM", 143, 15, "KILLED"),
-    # Ranks agree every 3rd batch: asked in step 14 (batch 4 of epoch 1), they stop after 16.
+    # Ranks agree every 3rd batch: asked in step 14 (batch 4 of epoch 1), they stop after 16,
+    # a logging step.
     "sigterm-mid-epoch-2-ranks": (
         2,
         ["callbacks.stop_check_every_n_steps=3"],
@@ -99,17 +118,18 @@ CASES = {
         "KILLED",
     ),
     # Sharded (strategy=fsdp): each rank writes its shard of last.ckpt/, and loads it back.
+    # Asked in step 11, the ranks stop after step 13: where they agree, not a logging step.
     "fsdp-sigterm-mid-epoch-2-ranks": (
         2,
         ["callbacks.stop_check_every_n_steps=3"],
-        "14:SIGTERM",
+        "11:SIGTERM",
         143,
-        16,
+        13,
         "KILLED",
     ),
     "usr1-before-any-checkpoint": (1, [], "0:SIGUSR1", 138, 1, "KILLED"),
     "workers-epoch-end-2-ranks": (2, ["data.num_workers=2"], "19:SIGINT", 130, 20, "KILLED"),
-    "workers-mid-epoch": (1, ["data.num_workers=2"], "14:SIGUSR1", 138, 15, "KILLED"),
+    "workers-mid-epoch": (1, ["data.num_workers=2"], "15:SIGUSR1", 138, 16, "KILLED"),
     "step-checkpoint-then-sigkill": (
         1,
         ["callbacks.checkpoint.every_n_train_steps=4"],
@@ -165,10 +185,12 @@ def test_stopped_and_resumed_equals_uninterrupted(
     for name, value in resumed_metrics.items():
         assert value == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-6), name
 
-    # One run, continued: every step once, with the uninterrupted run's values.
-    _, expected_history = history(expected_dir / "mlflow.db")
-    run, resumed_history = history(tmp_path / "mlflow.db")
+    # One run, continued: every point of every key once, with the uninterrupted run's values
+    # (a training point covers the same steps whether or not a stop fell in them).
+    _, expected_history = history(expected_dir / "mlflow.db", keys=None)
+    run, resumed_history = history(tmp_path / "mlflow.db", keys=None)
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
+    assert resumed_history.keys() == expected_history.keys()
     for key, points in expected_history.items():
         assert resumed_history[key] == approx_points(points), key
 
@@ -190,9 +212,11 @@ def test_auto_starts_fresh_in_the_run_it_opened_and_never_repeats_a_finished_job
     expected = torch.load(reference(1) / "run/checkpoints/last.ckpt", weights_only=True)
     again = torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=True)
     assert_same_tensors(again["state_dict"], expected["state_dict"], "state_dict")
-    run, points = history(tmp_path / "mlflow.db")  # one run, each epoch once
+    run, points = history(tmp_path / "mlflow.db")  # one run, each point once
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
-    assert all([step for step, _ in steps] == EPOCH_ENDS for steps in points.values())
+    assert {key: [step for step, _ in steps] for key, steps in points.items()} == {
+        key: points_at(key, EPOCHS) for key in points
+    }
 
     # The same command once more, after it finished: nothing trained, tested or logged again.
     metrics = (tmp_path / "run" / "metrics.json").read_bytes()
@@ -209,8 +233,9 @@ def test_auto_starts_fresh_in_the_run_it_opened_and_never_repeats_a_finished_job
     assert "it trains on into a new MLflow run" in longer.stdout, longer.stdout[-2000:]
     new_run, points = history(tmp_path / "mlflow.db", runs=2)
     assert new_run.data.tags["continues_run"] == run.info.run_id
-    more_ends = [*EPOCH_ENDS, STEPS_PER_EPOCH * (EPOCHS + 1)]
-    assert all([step for step, _ in steps] == more_ends for steps in points.values())
+    assert {key: [step for step, _ in steps] for key, steps in points.items()} == {
+        key: points_at(key, EPOCHS + 1) for key in points
+    }
     old = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run.info.run_id)
     assert old.info == rerun.info and old.data.metrics == rerun.data.metrics
     assert "exists and is not empty" not in longer.stderr, "Lightning's warning, moot here"

@@ -9,13 +9,17 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from src.template.steps import GlobalStepAxis, without_position
+from src.template.train_points import TrainingPoints
 from tests.machinery_task import SIZES, Regressor, synthetic_data
 
 STEPS_PER_EPOCH = (SIZES["n_train"] - SIZES["val_size"]) // SIZES["batch_size"]  # 5
 
 
-def fit(tmp_path: Path, *callbacks: L.Callback, **loop: object) -> list[dict[str, str]]:
-    """Fit the machinery's regression with ``loop``'s Trainer arguments; the CSV's rows."""
+def fit(
+    tmp_path: Path, *callbacks: L.Callback, model: type = Regressor, **loop: object
+) -> list[dict[str, str]]:
+    """Fit the machinery's regression (or ``model``, a subclass) with ``loop``'s Trainer
+    arguments; the CSV's rows."""
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -27,7 +31,7 @@ def fit(tmp_path: Path, *callbacks: L.Callback, **loop: object) -> list[dict[str
         num_sanity_val_steps=0,
         **loop,
     )
-    trainer.fit(Regressor(features=SIZES["features"], hidden=8), datamodule=synthetic_data())
+    trainer.fit(model(features=SIZES["features"], hidden=8), datamodule=synthetic_data())
     with (tmp_path / "metrics.csv").open() as file:
         return [{k: v for k, v in row.items() if v} for row in csv.DictReader(file)]
 
@@ -49,6 +53,52 @@ def test_every_point_is_at_the_global_step_it_was_computed_after(axis: bool, tmp
     if axis:
         epochs = {int(row["step"]): float(row["epoch"]) for row in rows if "val/loss" in row}
         assert epochs == {2: 0, 4: 0, 7: 1, 9: 1}
+
+
+@pytest.mark.parametrize("machinery", [True, False], ids=["training points", "Lightning's own"])
+def test_a_task_logging_its_metrics_at_epoch_level_gets_a_point_per_window(
+    machinery: bool, tmp_path: Path
+) -> None:
+    """The machinery's task logs its torchmetrics as docs/make-it-yours.md says (objects,
+    on_epoch): every 2 steps of 5-step epochs a point covering the steps since the last (2, 2
+    and 1 an epoch), the epoch's last step covered by Lightning's epoch-end point. Lightning
+    alone charts one point an epoch."""
+    callbacks = [TrainingPoints(), GlobalStepAxis()] if machinery else [GlobalStepAxis()]
+    rows = fit(tmp_path, *callbacks, max_epochs=2, log_every_n_steps=2)
+    batch = SIZES["batch_size"]
+    samples = [
+        (int(row["step"]), float(row["train/samples"])) for row in rows if "train/samples" in row
+    ]
+    if not machinery:
+        assert samples == [(5, 5 * batch), (10, 5 * batch)]
+        return
+    assert samples == [(s, n * batch) for s, n in [(2, 2), (4, 2), (5, 1), (6, 1), (8, 2), (10, 2)]]
+    assert steps_of(rows, "train/loss") == steps_of(rows, "train/mae") == [2, 4, 5, 6, 8, 10]
+    assert steps_of(rows, "val/loss") == [5, 10]  # validation as before
+
+
+class LogsATensor(Regressor):
+    def training_step(self, batch, batch_idx: int):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/mse", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+def test_a_tensor_logged_at_epoch_level_is_named_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Its running mean is Lightning's, per rank and not in checkpoints: charted, and named."""
+    rows = fit(
+        tmp_path,
+        TrainingPoints(),
+        GlobalStepAxis(),
+        model=LogsATensor,
+        max_epochs=2,
+        log_every_n_steps=2,
+    )
+    assert steps_of(rows, "train/mse") == [2, 4, 5, 6, 8, 10]
+    (note,) = notes(capsys)
+    assert note.startswith("Note: train/mse logged as tensors at epoch level: not exact")
 
 
 class SaveAtTheLastStep(L.Callback):

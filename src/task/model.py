@@ -26,32 +26,64 @@ from src.template.distributed import shard
 SHARDED_BLOCKS = (nn.Conv2d, nn.BatchNorm2d, nn.Linear)
 
 
-class StageMetrics(Metric):
-    """``<stage>/loss`` (per-sample mean), ``<stage>/acc`` (micro accuracy) and
-    ``<stage>/samples`` (count), from three sums updated together: one torchmetrics update a
-    step, a few tensor ops, no device-to-host sync. Summed across ranks in ``compute()``, so N
-    ranks report what one rank would."""
+class SampleMean(Metric):
+    """The mean of per-sample values (a loss, 1 for a correct prediction) from two sums: a short
+    last batch weighs what its samples weigh, and N ranks report what one process would (the sums
+    are added across ranks in ``compute()``). A few tensor ops a step, no device-to-host sync."""
 
     full_state_update = False
 
     def __init__(self) -> None:
         super().__init__()
-        self.add_state("loss_sum", torch.zeros(()), dist_reduce_fx="sum")
-        self.add_state("correct", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("total", torch.zeros(()), dist_reduce_fx="sum")
         self.add_state("samples", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
-    def update(self, losses: Tensor, logits: Tensor, labels: Tensor) -> None:
+    def update(self, values: Tensor) -> None:
         # In place: ``+=`` would also set each state again through nn.Module's __setattr__.
-        self.loss_sum.add_(losses.sum())
-        self.correct.add_((logits.argmax(dim=1) == labels).sum())
-        self.samples.add_(labels.numel())  # a Python number: no host-to-device copy
+        self.total.add_(values.sum())
+        self.samples.add_(values.numel())  # a Python number: no host-to-device copy
 
-    def compute(self) -> dict[str, Tensor]:
-        return {
-            "loss": self.loss_sum / self.samples,
-            "acc": self.correct / self.samples,
-            "samples": self.samples.float(),
-        }
+    def compute(self) -> Tensor:
+        return self.total / self.samples
+
+
+class SampleCount(Metric):
+    """How many samples the stage's metrics cover (summed across ranks)."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("samples", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, labels: Tensor) -> None:
+        self.samples.add_(labels.numel())
+
+    def compute(self) -> Tensor:
+        return self.samples.float()
+
+
+class LastValue(Metric):
+    """The value of the last update (the same on every rank): the learning rate of a point's last
+    step."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("value", torch.zeros(()), dist_reduce_fx="max")
+
+    def update(self, value: float) -> None:
+        self.value.fill_(value)  # a kernel with the number as argument: no host-to-device copy
+
+    def compute(self) -> Tensor:
+        return self.value
+
+
+def stage_metrics() -> nn.ModuleDict:
+    """``<stage>/loss`` (per-sample mean), ``<stage>/acc`` (micro accuracy) and
+    ``<stage>/samples`` (the count they cover)."""
+    return nn.ModuleDict({"loss": SampleMean(), "acc": SampleMean(), "samples": SampleCount()})
 
 
 def is_number(value: Any) -> bool:
@@ -94,9 +126,10 @@ class ImageClassifier(L.LightningModule):
         # checkpoint keys stay the plain network's; its __call__ runs FSDP's hooks under
         # strategy=fsdp. torch.compile compiles that call.
         self.net_forward = torch.compile(self.net.__call__) if compile else self.net.__call__
-        self.train_metrics = StageMetrics()
-        self.val_metrics = StageMetrics()
-        self.test_metrics = StageMetrics()
+        self.train_metrics, self.val_metrics, self.test_metrics = (
+            stage_metrics() for _ in range(3)
+        )
+        self.train_lr = LastValue()
         # Best validation accuracy so far; persistent so a resumed run keeps it.
         self.val_acc_best = MaxMetric(nan_strategy="disable")
         self.val_acc_best.persistent(True)
@@ -114,26 +147,25 @@ class ImageClassifier(L.LightningModule):
         self.net.to(memory_format=self.memory_format)  # channels_last: NHWC kernels on GPU
 
     def _step(self, batch: Batch, stage: str) -> torch.Tensor:
+        """The batch's loss; the stage's metrics updated and logged as metric objects at epoch
+        level: Lightning computes them (one sync of their sums across ranks) and resets them
+        at each point, and the template charts the training ones every
+        ``trainer.log_every_n_steps`` steps and at each epoch's end (docs/make-it-yours.md)."""
         logits = self(batch.inputs)
         losses = F.cross_entropy(logits, batch.targets, reduction="none")
-        getattr(self, f"{stage}_metrics").update(losses.detach(), logits.detach(), batch.targets)
+        metrics = getattr(self, f"{stage}_metrics")
+        metrics["loss"].update(losses.detach())
+        metrics["acc"].update(logits.detach().argmax(dim=1) == batch.targets)
+        metrics["samples"].update(batch.targets)
+        for name, metric in metrics.items():
+            shown = name == "acc"  # on the progress bar
+            self.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=shown)
         return losses.mean()
 
-    def _log_stage(self, stage: str, **when: bool) -> dict[str, Tensor]:
-        """Compute the stage's metrics (one sync of its sums across ranks), log them and reset
-        them. The same synced value on every rank: "max" of equal values keeps it exact (a mean
-        would also be, but Lightning floors integer batch-size totals)."""
-        metrics = getattr(self, f"{stage}_metrics")
-        values = metrics.compute()
-        metrics.reset()
-        for name, value in values.items():
-            prog_bar = name == "acc"
-            self.log(
-                f"{stage}/{name}", value, prog_bar=prog_bar, sync_dist=True, reduce_fx="max", **when
-            )
-        return values
-
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        # The lr of this step: the scheduler sets the next step's after it.
+        self.train_lr.update(self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log("train/lr", self.train_lr, on_step=False, on_epoch=True)
         return self._step(batch, "train")
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
@@ -152,39 +184,12 @@ class ImageClassifier(L.LightningModule):
         ):
             group["lr"] = group["initial_lr"] * factor(scheduler.last_epoch)
 
-    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
-        self.step_lr = self.trainer.optimizers[0].param_groups[0]["lr"]  # this step's: see below
-
-    def on_train_batch_end(self, outputs: Any, batch: Batch, batch_idx: int) -> None:
-        """Every ``trainer.log_every_n_steps`` steps, the training metrics of the steps since the
-        last point (one sync of their sums), with the lr: what the loggers chart at the global
-        step. Nothing is logged at the other steps (Lightning's result collection would process
-        every logged value at every step)."""
-        every = self.trainer.log_every_n_steps
-        if every and self.global_step % every == 0:
-            self._log_train(on_step=True, on_epoch=False)
-
-    def on_train_epoch_end(self) -> None:
-        """The steps since the last point, if any: each epoch's last steps are charted too."""
-        every = self.trainer.log_every_n_steps
-        if every and self.global_step % every:
-            self._log_train(on_step=False, on_epoch=True)
-
-    def _log_train(self, **when: bool) -> None:
-        self._log_stage("train", **when)
-        # The lr of the step just taken: the scheduler has set the next step's by now.
-        self.log("train/lr", self.step_lr, sync_dist=True, reduce_fx="max", **when)
-
     def on_validation_epoch_end(self) -> None:
-        values = self._log_stage("val", on_step=False, on_epoch=True)
         if self.trainer.sanity_checking:  # a couple of batches: not a real accuracy
             return
-        self.val_acc_best.update(values["acc"])
+        self.val_acc_best.update(self.val_metrics["acc"].compute())  # Lightning reuses it
         best = self.val_acc_best.compute()
         self.log("val/acc_best", best, prog_bar=True, sync_dist=True, reduce_fx="max")
-
-    def on_test_epoch_end(self) -> None:
-        self._log_stage("test", on_step=False, on_epoch=True)
 
     def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
         confidence, predicted = self(batch.inputs).softmax(dim=1).max(dim=1)

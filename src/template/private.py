@@ -12,6 +12,12 @@ pinned by ``tests/test_private.py``: an upgrade that changes one fails there, lo
   ``fit_loop._data_fetcher`` iterating it), dropped by :func:`forget_train_loader` when
   ``Trainer.estimated_stepping_batches`` built it before a checkpoint's loop state was restored
   (Lightning#20550; ``src/template/trainer.py``).
+* Lightning's result collection of the training loop (``fit_loop.epoch_loop._results``: its
+  ``valid_items()``, each ``_ResultMetric``'s ``meta``, ``compute()``, ``reset()``,
+  ``_forward_cache`` and ``has_reset``), where :mod:`src.template.train_points` closes the
+  window of the values a task logs at epoch level every ``log_every_n_steps`` steps; and
+  ``_logger_connector.update_train_step_metrics()``, which a stop at a logging step calls to send
+  that step's values before it ends the job (Lightning sends them after every batch-end hook).
 * Lightning's ``RichProgressBar._get_train_description``, whose "Epoch N/max" reads "Epoch 0/-2"
   for a job counted in steps: ``trainer.RichBar`` drops the "/-2".
 * Lightning's ``TensorBoardLogger._experiment`` (the writer, ``None`` until opened), read by
@@ -57,8 +63,13 @@ __all__ = [
     "SubprocessScriptLauncher",
     "SyncBatchNormFunction",
     "differentiable_all_gather",
+    "epoch_level_training_results",
+    "forget_step_values",
     "forget_train_loader",
+    "logged_as_tensor",
+    "reset_window",
     "run_context_tags",
+    "send_step_values",
     "set_num_threads_if_needed",
 ]
 
@@ -70,6 +81,45 @@ def forget_train_loader(trainer: Any) -> None:
     if loop._data_fetcher is not None:
         loop._data_fetcher.teardown()
     loop._combined_loader = None
+
+
+def epoch_level_training_results(trainer: Any) -> list[Any]:
+    """The training loop's results logged at epoch level (for the loggers) since their last
+    reset: Lightning's ``_ResultMetric`` of each, wrapping a torchmetrics ``Metric`` or a
+    tensor's running reduction."""
+    results = trainer.fit_loop.epoch_loop._results
+    return [r for _, r in results.valid_items() if r.meta.on_epoch and r.meta.logger]
+
+
+def logged_as_tensor(result: Any) -> bool:
+    """Whether a result of :func:`epoch_level_training_results` is a tensor's running reduction
+    (Lightning's own state), not a torchmetrics ``Metric`` of the model."""
+    return result.is_tensor
+
+
+def reset_window(result: Any) -> None:
+    """Reset a result of :func:`epoch_level_training_results` (a metric's states, or a tensor's
+    reduction) for the next window; one also logged at each step keeps this step's value."""
+    step_value = result._forward_cache
+    result.reset()
+    if result.meta.on_step:
+        result._forward_cache = step_value
+        result.has_reset = False
+
+
+def forget_step_values(trainer: Any, fx: str, names: set[str]) -> None:
+    """Drop ``names``, logged in hook ``fx`` for one step only, at an earlier step: Lightning
+    keeps such a value and sends it again at every logging step of the epoch."""
+    for result in trainer.fit_loop.epoch_loop._results.values():
+        meta = result.meta
+        if meta.fx == fx and meta.name in names and not meta.on_epoch and not result.has_reset:
+            result.reset()
+
+
+def send_step_values(trainer: Any) -> None:
+    """Send this training step's values to the loggers now, as Lightning does once every
+    batch-end hook has run (at a logging step; at the others it sends nothing)."""
+    trainer._logger_connector.update_train_step_metrics()
 
 
 def run_context_tags(tags: dict[str, str]) -> dict[str, str]:

@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from src.template.checkpoint import job_overrides, resume_command, resume_path, save_last
+from src.template.private import send_step_values
 from src.template.resume import epoch_finished
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 class StopOnSignal(Callback):
     """A stop signal while training is recorded; every ``check_every_n_steps`` steps (an
-    all-reduce, a device-to-host read) ranks agree on it and stop with that step's ``last.ckpt``."""
+    all-reduce, a device-to-host read) ranks agree on it and stop with that step's ``last.ckpt``,
+    after sending that step's points to the loggers (at a logging step). Callbacks before it in
+    the Trainer's list have seen the step; those after it have not."""
 
     def __init__(self, check_every_n_steps: int = 1) -> None:
         self.check_every_n_steps = check_every_n_steps
@@ -67,6 +70,9 @@ class StopOnSignal(Callback):
             self.requested = self.requested or signal.SIGTERM  # another rank was asked
         if self.requested is not None:
             if checkpoint:
+                # The step's points first, as the job going on would log them (Lightning sends
+                # them after the last batch-end hook): a resumed job starts at the next step.
+                send_step_values(trainer)
                 save_last(trainer)
             self._deferring = False
             raise KeyboardInterrupt(self.requested.name)

@@ -33,6 +33,7 @@ from src.template.resume import MidEpochState, silence_resume_warning
 from src.template.settings import JobSettings
 from src.template.shutdown import StopOnSignal
 from src.template.steps import GlobalStepAxis
+from src.template.train_points import TrainingPoints
 
 # Trainer arguments that build_trainer sets from other config: key -> where to set it instead.
 SET_BY_TEMPLATE = {
@@ -96,10 +97,11 @@ def build_callbacks(
     """From the ``callbacks`` section: rank setup log, stop on signal, progress bar and
     ``callbacks.extra`` (any callback by ``_target_``); when training (``monitor``: metric and
     mode) checkpoints and model summary in ``output_dir``."""
-    callbacks: list[Callback] = [
-        LogRankSetup(monitor[0] if monitor else ""),
-        StopOnSignal(callbacks_cfg.stop_check_every_n_steps),
-    ]
+    # Training: a step's points are logged (their window closed) before a stop can end the job
+    # at that step or a checkpoint saves the window's metric states.
+    points = [TrainingPoints(), GlobalStepAxis()] if monitor else []
+    stop = StopOnSignal(callbacks_cfg.stop_check_every_n_steps)
+    callbacks: list[Callback] = [LogRankSetup(monitor[0] if monitor else ""), *points, stop]
     bar = {"rich": RichBar, "tqdm": TqdmBar}.get(callbacks_cfg.progress_bar)
     callbacks += [bar()] if bar else []
     with as_config_error("callbacks.extra"):
@@ -126,7 +128,7 @@ def build_callbacks(
     summary = ModelSummaryFile(
         ckpt_dir.parent / "model_summary.txt", callbacks_cfg.model_summary_depth
     )
-    return [*callbacks, GlobalStepAxis(), best, last, MidEpochState(), summary]
+    return [*callbacks, best, last, MidEpochState(), summary]
 
 
 class ShowsLastEpoch(Callback):

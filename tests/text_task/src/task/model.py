@@ -113,37 +113,19 @@ class CharGPT(L.LightningModule):
     def _step(self, batch: Batch, stage: str) -> Tensor:
         logits = self(batch.inputs)
         losses = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none")
-        getattr(self, f"{stage}_loss").update(losses.detach())
-        return losses.mean()
-
-    def _log(self, stage: str, **when: bool) -> None:
         metric = getattr(self, f"{stage}_loss")
-        value = metric.compute()
-        metric.reset()
-        self.log(f"{stage}/loss", value, sync_dist=True, reduce_fx="max", **when)
+        metric.update(losses.detach())
+        self.log(f"{stage}/loss", metric, on_step=False, on_epoch=True)
+        return losses.mean()
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         return self._step(batch, "train")
 
-    def on_train_batch_end(self, outputs: Any, batch: Batch, batch_idx: int) -> None:
-        if self.global_step % self.trainer.log_every_n_steps == 0:
-            self._log("train", on_step=True, on_epoch=False)
-
-    def on_train_epoch_end(self) -> None:
-        if self.global_step % self.trainer.log_every_n_steps:
-            self._log("train", on_step=False, on_epoch=True)
-
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self._step(batch, "val")
 
-    def on_validation_epoch_end(self) -> None:
-        self._log("val", on_step=False, on_epoch=True)
-
     def test_step(self, batch: Batch, batch_idx: int) -> None:
         self._step(batch, "test")
-
-    def on_test_epoch_end(self) -> None:
-        self._log("test", on_step=False, on_epoch=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
