@@ -10,6 +10,7 @@ from typing import Any
 
 import lightning.pytorch as L
 from hydra.utils import instantiate
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -28,6 +29,7 @@ from src.template.distributed import (
     check_devices,
 )
 from src.template.environment import quiet
+from src.template.precision import check_precision, trainer_precision
 from src.template.private import forget_train_loader
 from src.template.resume import MidEpochState, silence_resume_warning
 from src.template.settings import JobSettings
@@ -55,6 +57,7 @@ def check_settings(cfg: DictConfig, fitting: bool) -> JobSettings:
     check_devices(cfg.accelerator, cfg.devices, cfg.num_nodes)
     settings = JobSettings.from_config(cfg)
     check_keys("trainer", cfg.trainer, L.Trainer, set_by=SET_BY_TEMPLATE)
+    check_precision(cfg.trainer.get("precision"), on_cpu=cfg.accelerator == "cpu")
     if cfg.seed is not None:
         check_count("seed", cfg.seed, 0)
     check_count("data.batch_size", cfg.data.batch_size, 1)
@@ -71,7 +74,9 @@ def check_settings(cfg: DictConfig, fitting: bool) -> JobSettings:
         quiet("lightning.pytorch.utilities.rank_zero"),
         warnings.catch_warnings(action="ignore"),
     ):
-        build_trainer(cfg, settings, [], [], fitting)
+        trial = build_trainer(cfg, settings, [], [], fitting)
+    on_cpu = isinstance(trial.accelerator, CPUAccelerator)  # accelerator=auto resolved
+    check_precision(cfg.trainer.get("precision"), on_cpu=on_cpu)
     return settings
 
 
@@ -174,14 +179,22 @@ class RichBar(ShowsLastEpoch, RichProgressBar):
 class ModelSummaryFile(Callback):
     """The model summary (layers, shapes, parameters, FLOPs) in the output folder, not on the
     console, written by rank 0 at the start of fitting. Every rank makes it: its example forward
-    gathers a sharded (FSDP) model's weights, a collective that rank 0 alone would wait on."""
+    gathers a sharded (FSDP) model's weights, a collective that rank 0 alone would wait on. The
+    example is converted as the Trainer converts a batch (Lightning's summary runs it as typed:
+    float32 into a ``trainer.precision=64-true`` model fails)."""
 
     def __init__(self, path: Path, max_depth: int) -> None:
         self.path = path
         self.max_depth = max_depth
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        summary = f"{ModelSummary(pl_module, max_depth=self.max_depth)}\n"
+        example = pl_module.example_input_array
+        with trainer_precision(pl_module) as convert:
+            pl_module.example_input_array = convert(example)
+        try:
+            summary = f"{ModelSummary(pl_module, max_depth=self.max_depth)}\n"
+        finally:
+            pl_module.example_input_array = example
         if trainer.is_global_zero:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(summary)
