@@ -42,8 +42,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
-def batch_norms() -> dict[str, nn.Module]:
-    """BatchNorms whose running statistics start far from the batch's."""
+def batch_norms(dtype: torch.dtype = torch.float32) -> dict[str, nn.Module]:
+    """BatchNorms whose running statistics start far from the batch's, in ``dtype``."""
     torch.manual_seed(0)  # the same weights in every process
     norm2d = nn.BatchNorm2d(3)
     norm1d = nn.BatchNorm1d(5, momentum=None)  # a cumulative average
@@ -54,25 +54,31 @@ def batch_norms() -> dict[str, nn.Module]:
             norm.bias.uniform_(-1, 1)
             norm.running_mean.fill_(2.0)
             norm.running_var.fill_(3.0)
-    return {"2d": norm2d, "1d": norm1d, "no running statistics": plain}
+    norms = {"2d": norm2d, "1d": norm1d, "no running statistics": plain}
+    return {name: norm.to(dtype) for name, norm in norms.items()}
 
 
-def norm_inputs(name: str, step: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_inputs(
+    name: str, step: int, device: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A global batch (mean 3, std 2) and the loss weights of each output value."""
     generator = torch.Generator().manual_seed(step)
     shape = (BATCH, 5) if name == "1d" else (BATCH, 3, 4, 4)
-    inputs = torch.randn(shape, generator=generator) * 2 + 3
-    return inputs.to(device), torch.randn(shape, generator=generator).to(device)
+    inputs = torch.randn(shape, generator=generator, dtype=torch.float64) * 2 + 3
+    weights = torch.randn(shape, generator=generator, dtype=torch.float64)
+    return inputs.to(device, dtype), weights.to(device, dtype)
 
 
-def train_norm(norm: nn.Module, name: str, rows: slice, device: str) -> dict[str, Any]:
+def train_norm(
+    norm: nn.Module, name: str, rows: slice, device: str, dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
     """``STEPS`` training forwards and backwards of ``norm`` on ``rows`` of each global batch:
     the outputs and input gradients of those rows, the parameter gradients summed over ranks
     (as DDP averages them, times the world size) and the buffers after."""
     outputs, input_grads, grads = [], [], {}
     norm = norm.to(device).train()
     for step in range(STEPS):
-        inputs, weights = norm_inputs(name, step, device)
+        inputs, weights = norm_inputs(name, step, device, dtype)
         inputs = inputs[rows].requires_grad_()
         output = norm(inputs)
         (output * weights[rows]).sum().backward()
@@ -119,6 +125,10 @@ def rank_results(rank: int, port: int, out: Path, device: str) -> None:
                 name: train_norm(make_exact(norm), name, rows, device)
                 for name, norm in batch_norms().items()
             },
+            "norms64": {
+                name: train_norm(make_exact(norm), name, rows, device, torch.float64)
+                for name, norm in batch_norms(torch.float64).items()
+            },
             "dropouts": {name: dropped(name, rows, device) for name in DROPOUTS},
         }
         torch.save(results, out / f"rank{rank}.pt")
@@ -155,6 +165,29 @@ def test_batchnorm_on_two_ranks_equals_one_batchnorm_on_the_whole_batch(
     for key, buffer in expected["buffers"].items():  # running statistics, batches counted
         assert torch.equal(ranks[0]["buffers"][key], ranks[1]["buffers"][key]), "every rank's"
         torch.testing.assert_close(ranks[0]["buffers"][key], buffer, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["2d", "1d"])
+def test_in_float64_batchnorm_on_two_ranks_equals_the_cpus_on_the_whole_batch(
+    name: str, two_ranks: tuple[str, list[dict[str, Any]]]
+) -> None:
+    """Float64 leaves only summation order: 2 ranks (the CPU's all-gather, or on a GPU torch's
+    SyncBatchNorm kernels) equal torch's CPU BatchNorm on the whole batch to 1e-12."""
+    _, results = two_ranks
+    norm = batch_norms(torch.float64)[name]
+    expected = train_norm(norm, name, slice(None), "cpu", torch.float64)
+    ranks = [rank["norms64"][name] for rank in results]
+    close = {"atol": 1e-12, "rtol": 1e-12}
+    for part in ("outputs", "input_grads"):
+        for step in range(STEPS):
+            whole = torch.cat([rank[part][step] for rank in ranks])
+            assert whole.dtype == torch.float64
+            torch.testing.assert_close(whole, expected[part][step], **close)
+    for key, grad in expected["grads"].items():
+        for rank in ranks:
+            torch.testing.assert_close(rank["grads"][key], grad, **close)
+    for key, buffer in expected["buffers"].items():
+        torch.testing.assert_close(ranks[0]["buffers"][key], buffer, **close)
 
 
 @pytest.mark.parametrize("name", list(DROPOUTS))
@@ -305,7 +338,8 @@ def exact_overrides(
 @pytest.fixture(scope="module")
 def exact_job(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory):
     """The run folder of the uninterrupted job of a network on N ranks, in float64 unless
-    ``precision`` says otherwise, exact unless ``exact`` is false (each run once)."""
+    ``precision`` says otherwise, exact unless ``exact`` is false, with ``env`` and ``more``
+    overrides (each run once)."""
     done: dict[tuple, Path] = {}
 
     def get(
@@ -315,12 +349,13 @@ def exact_job(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory):
         precision: str = FLOAT64,
         exact: bool = True,
         env: dict[str, str] | None = None,
+        more: tuple[str, ...] = (),
     ) -> Path:
-        key = (network, devices, strategy, precision, exact, tuple(sorted((env or {}).items())))
+        key = (network, devices, strategy, precision, exact, str(env), more)
         if key not in done:
             workdir = tmp_path_factory.mktemp(f"{network}{devices}{strategy}{precision}")
-            more = [f"trainer.precision={precision}", f"strategy.exact={str(exact).lower()}"]
-            args = exact_overrides(tiny_root, network, devices, strategy, *more)
+            kind = [f"trainer.precision={precision}", f"strategy.exact={str(exact).lower()}"]
+            args = exact_overrides(tiny_root, network, devices, strategy, *kind, *more)
             proc = run_entry("train", *args, "hydra.run.dir=run", cwd=workdir, env=env)
             assert "strategy.exact:" not in proc.stderr, "no layer named: all are made exact"
             done[key] = workdir / "run"
@@ -465,6 +500,16 @@ def test_stopped_on_two_ranks_and_resumed_on_m_trains_the_weights_of_one_process
     what = f"stopped on 2 ranks, resumed on {devices}"
     assert_trains_the_same_weights(resumed, one, "convnet", what)
     assert read_metrics(resumed) == pytest.approx(read_metrics(one), rel=1e-6), "every metric"
+
+
+@pytest.mark.slow
+@CUDA
+def test_one_gpu_in_float64_trains_the_weights_of_the_cpu(exact_job, tmp_path: Path) -> None:
+    """Float64 on a GPU (no TF32 in float64; cuDNN's kernels only sum in another order) trains
+    the ResNet (BatchNorm everywhere, no dropout: a GPU draws other masks than the CPU) to the
+    CPU's weights, to 1e-8 of each tensor's largest value."""
+    gpu = exact_job("resnet", 1, more=("accelerator=gpu",))
+    assert_trains_the_same_weights(gpu, exact_job("resnet", 1), "resnet", "1 GPU against the CPU")
 
 
 @pytest.mark.slow
