@@ -96,6 +96,8 @@ class TrainingJob:
         datamodule = data_class(**OmegaConf.to_container(cfg.data, resolve=True))
         datamodule.prepare_data()
         datamodule.load()  # train, validation and test splits
+        if check_world_size := getattr(datamodule, "check_world_size", None):
+            check_world_size(self.settings.world_size)  # the data contract's; other modules: none
         with as_config_error("model"):
             model = self.task.build_model(self.model_cfg, datamodule)
         check_shardable(cfg.strategy.name, model, self.task.sharded_blocks)  # the task's types
