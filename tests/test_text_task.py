@@ -106,11 +106,12 @@ def test_a_job_counted_in_steps_charts_every_metric_at_its_global_step(reference
     assert f"-step{lowest:06d}-" in best.name, "the best of every validation"
 
 
-def test_stopped_mid_epoch_and_resumed_it_equals_the_uninterrupted_job(
+def test_stopped_mid_epoch_and_resumed_on_two_ranks_it_equals_the_uninterrupted_job(
     project: Path, reference: Path, tmp_path: Path
 ) -> None:
     """SIGTERM in step 13 (epoch 1, between the validations at 8 and 16): last.ckpt at step 14,
-    then the printed command resumes it into the same run, which ends as the reference's."""
+    then the printed command, on 2 ranks (an elastic resume of a job counted in steps), resumes
+    it into the same run, which ends as the reference's."""
     workdir = tmp_path / "stopped"  # its own MLflow store, ./mlflow.db there
     env = {
         **os.environ,
@@ -124,7 +125,8 @@ def test_stopped_mid_epoch_and_resumed_it_equals_the_uninterrupted_job(
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     last = workdir / "run" / "checkpoints" / "last.ckpt"
     assert load_checkpoint(last)["global_step"] == 14
-    run_entry("train", *args, f"ckpt_path={last}", cwd=workdir, env={"PYTHONPATH": str(project)})
+    on_two = ["strategy=ddp", "devices=2", f"ckpt_path={last}"]
+    run_entry("train", *args, *on_two, cwd=workdir, env={"PYTHONPATH": str(project)})
     assert_same_job(workdir / "run", reference)
     expected = history(reference.parent.parent / "mlflow.db")
     resumed = history(workdir / "mlflow.db")
