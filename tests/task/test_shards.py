@@ -451,18 +451,15 @@ def test_partitioned_shards_stopped_on_two_ranks_resume_on_one_to_the_same_job(
     """Elastic resume with data.partitions: a job stopped mid-epoch on 2 ranks (each reading its
     partition's shards) and resumed on 1 trains the global batches of the 1-process job, to its
     weights (float64, exact BatchNorm and dropout: to 1e-8 of each tensor's largest value) and
-    metrics."""
+    metrics. (Other global batches would train other weights, far more than 1e-8 away; which
+    samples each rank reads is the daily test's above.)"""
     args = [
         *shard_overrides(tiny_root, shards),
         "trainer.max_epochs=1",
         "trainer.precision=64-true",
     ]
     args += ["data.partitions=2", AUGMENT, "data.num_workers=1"]
-    env = {"PYTHONPATH": f"{RECORDER}{os.pathsep}{PROJECT}"}
-    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
-    run_entry(
-        "train", *args, "hydra.run.dir=one", cwd=tmp_path, env={**env, "RECORD_BATCHES": str(one)}
-    )
+    run_entry("train", *args, "hydra.run.dir=one", cwd=tmp_path)
     stopped = run_entry(
         "train",
         *args,
@@ -472,7 +469,7 @@ def test_partitioned_shards_stopped_on_two_ranks_resume_on_one_to_the_same_job(
         "hydra.run.dir=two",
         cwd=tmp_path,
         check=False,
-        env={**env, **signal_at_step("4:SIGTERM"), "RECORD_BATCHES": str(two)},
+        env=signal_at_step("4:SIGTERM"),
     )
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     last = tmp_path / "two" / "checkpoints" / "last.ckpt"
@@ -483,7 +480,6 @@ def test_partitioned_shards_stopped_on_two_ranks_resume_on_one_to_the_same_job(
         f"ckpt_path={last}",
         "hydra.run.dir=resumed",
         cwd=tmp_path,
-        env={**env, "RECORD_BATCHES": str(two)},
     )
     # Refused at start on a world size that cannot own whole partitions: no folder, no rank.
     refused = run_entry(
@@ -499,7 +495,6 @@ def test_partitioned_shards_stopped_on_two_ranks_resume_on_one_to_the_same_job(
         "Error: data.partitions=2 must be a multiple of the world size 4"
     )
     assert not (tmp_path / "on4").exists()
-    assert global_batches(one) == global_batches(two) and len(global_batches(one)) >= 8
     expected, resumed = final_weights(tmp_path / "one"), final_weights(tmp_path / "resumed")
     for name, value in expected.items():
         equal = 1e-8 * value.double().abs().max().clamp_min(1e-3).item()
