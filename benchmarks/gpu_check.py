@@ -6,8 +6,9 @@ It runs, and prints as one table:
 * every test that runs only where a GPU is (CPU machines skip them): the hot path's sync-debug
   test (the template's per-step code under ``torch.cuda.set_sync_debug_mode("error")``), the
   global-batch layers on the GPU (torch's SyncBatchNorm function; 2 gloo ranks share one GPU),
-  two GPUs training the weights of one (where 2 are visible), ``trainer=gpu`` and more GPUs than
-  there are;
+  in float64 against the CPU's BatchNorm on the whole batch, one GPU training the CPU's float64
+  ResNet (``trainer.precision=64-true``), two GPUs training the weights of one (where 2 are
+  visible), ``trainer=gpu`` and more GPUs than there are;
 * the GPU rows of ``python -m benchmarks.run``, once each: 8 (resident data, bf16, compile; the
   time to 90 % Fashion-MNIST test accuracy where ``$TEMPLATE_DATA_DIR`` holds it), 11 (DDP
   against FSDP) and 12 (exact against per-rank training), on generated data.
@@ -34,6 +35,10 @@ GPU_TESTS = {
         "tests/test_exact.py::test_batchnorm_on_two_ranks_equals_one_batchnorm_on_the_whole_batch",
         "tests/test_exact.py::test_dropout_masks_sliced_by_rank_are_the_whole_batchs",
         "tests/test_exact.py::test_two_gpus_train_the_weights_of_one_gpu",
+    ],
+    "float64: SyncBatchNorm's kernels and 1 GPU's ResNet equal the CPU's to 1e-12 / 1e-8": [
+        "tests/test_exact.py::test_in_float64_batchnorm_on_two_ranks_equals_the_cpus_on_the_whole_batch",
+        "tests/test_exact.py::test_one_gpu_in_float64_trains_the_weights_of_the_cpu",
     ],
     "trainer=gpu builds; more GPUs than there are is refused": [
         "tests/test_config.py::test_group_option_composes_and_builds[train-trainer=gpu]",

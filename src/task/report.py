@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from src.task.data.images import ImageDataModule
+from src.template.precision import trainer_precision
 
 COLUMNS = ("predicted", "confidence")
 GRID = (4, 8)  # rows and columns of misclassified images
@@ -57,14 +58,15 @@ def figures(model: L.LightningModule, data: ImageDataModule, out_dir: Path) -> l
 
 def test_predictions(model: L.LightningModule, dataset: Any) -> tuple[Tensor, Tensor]:
     """The model's predicted class and confidence for every sample of ``dataset`` (a split of
-    the data contract: ``__getitems__`` gives a batch), in order."""
+    the data contract: ``__getitems__`` gives a batch), in order, each batch converted and run
+    as the Trainer runs one (``trainer.precision``)."""
     was_training = model.training
     model.eval()
     outputs = []
-    with torch.no_grad():
+    with torch.no_grad(), trainer_precision(model) as convert:
         for start in range(0, len(dataset), 1000):
             batch = dataset.__getitems__(list(range(start, min(start + 1000, len(dataset)))))
-            batch = type(batch)(*(tensor.to(model.device) for tensor in batch))
+            batch = convert(type(batch)(*(tensor.to(model.device) for tensor in batch)))
             outputs.append(model.predict_step(batch, start // 1000))
     model.train(was_training)
     predicted, confidence = (torch.cat([o[key] for o in outputs]).cpu() for key in COLUMNS)

@@ -194,6 +194,12 @@ class TensorDataModule(LightningDataModule):
     def check(self, split: str, inputs: Tensor, targets: Tensor) -> None:
         """Refuse (:class:`DataError`) a split that does not fit this dataset's settings."""
 
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse (:class:`DataError`) a training job's world size that this data cannot be
+        split over (sharded data read by partitions): called at start, before any run or rank
+        exists, also for a job resumed on another number of ranks. The global batch's own
+        divisibility is the template's check."""
+
     def transform(self) -> nn.Module | None:
         """Stored inputs of a batch -> model inputs (called after the train split is read)."""
         return None

@@ -23,6 +23,7 @@ from src.template.config import (
 )
 from src.template.distributed import check_shardable
 from src.template.exact import make_exact, name_inexact_layers
+from src.template.precision import model_init_context
 from src.template.resume import SeedEachBatch
 from src.template.settings import JobSettings
 from src.template.start import Start, where_to_start
@@ -96,7 +97,9 @@ class TrainingJob:
         datamodule = data_class(**OmegaConf.to_container(cfg.data, resolve=True))
         datamodule.prepare_data()
         datamodule.load()  # train, validation and test splits
-        with as_config_error("model"):
+        if check_world_size := getattr(datamodule, "check_world_size", None):
+            check_world_size(self.settings.world_size)  # the data contract's; other modules: none
+        with as_config_error("model"), model_init_context(cfg.trainer.get("precision")):
             model = self.task.build_model(self.model_cfg, datamodule)
         check_shardable(cfg.strategy.name, model, self.task.sharded_blocks)  # the task's types
         if cfg.strategy.exact:  # devices=N trains what devices=1 trains

@@ -10,8 +10,10 @@ from typing import Any
 
 import lightning.pytorch as L
 from hydra.utils import instantiate
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins import DoublePrecision, Precision
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import Strategy
@@ -28,6 +30,7 @@ from src.template.distributed import (
     check_devices,
 )
 from src.template.environment import quiet
+from src.template.precision import check_precision, trainer_precision
 from src.template.private import forget_train_loader
 from src.template.resume import MidEpochState, silence_resume_warning
 from src.template.settings import JobSettings
@@ -56,6 +59,7 @@ def check_settings(cfg: DictConfig, fitting: bool) -> JobSettings:
     check_devices(cfg.accelerator, cfg.devices, cfg.num_nodes)
     settings = JobSettings.from_config(cfg)
     check_keys("trainer", cfg.trainer, L.Trainer, set_by=SET_BY_TEMPLATE)
+    check_precision(cfg.trainer.get("precision"), on_cpu=cfg.accelerator == "cpu")
     if cfg.seed is not None:
         check_count("seed", cfg.seed, 0)
     check_count("data.batch_size", cfg.data.batch_size, 1)
@@ -72,7 +76,9 @@ def check_settings(cfg: DictConfig, fitting: bool) -> JobSettings:
         quiet("lightning.pytorch.utilities.rank_zero"),
         warnings.catch_warnings(action="ignore"),
     ):
-        build_trainer(cfg, settings, [], [], fitting)
+        trial = build_trainer(cfg, settings, [], [], fitting)
+    on_cpu = isinstance(trial.accelerator, CPUAccelerator)  # accelerator=auto resolved
+    check_precision(cfg.trainer.get("precision"), on_cpu=on_cpu)
     return settings
 
 
@@ -176,14 +182,22 @@ class RichBar(ShowsLastEpoch, RichProgressBar):
 class ModelSummaryFile(Callback):
     """The model summary (layers, shapes, parameters, FLOPs) in the output folder, not on the
     console, written by rank 0 at the start of fitting. Every rank makes it: its example forward
-    gathers a sharded (FSDP) model's weights, a collective that rank 0 alone would wait on."""
+    gathers a sharded (FSDP) model's weights, a collective that rank 0 alone would wait on. The
+    example is converted as the Trainer converts a batch (Lightning's summary runs it as typed:
+    float32 into a ``trainer.precision=64-true`` model fails)."""
 
     def __init__(self, path: Path, max_depth: int) -> None:
         self.path = path
         self.max_depth = max_depth
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        summary = f"{ModelSummary(pl_module, max_depth=self.max_depth)}\n"
+        example = pl_module.example_input_array
+        with trainer_precision(pl_module) as convert:
+            pl_module.example_input_array = convert(example)
+        try:
+            summary = f"{ModelSummary(pl_module, max_depth=self.max_depth)}\n"
+        finally:
+            pl_module.example_input_array = example
         if trainer.is_global_zero:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(summary)
@@ -236,6 +250,18 @@ def watched_strategy(strategy: DictConfig, processes: int) -> str | Strategy:
     return strategy.name
 
 
+def fsdp_double_precision(loop: dict[str, Any]) -> list[Precision]:
+    """``trainer.precision=64-true`` under ``strategy=fsdp`` as Lightning's float64 plugin:
+    Lightning's ``ModelParallelStrategy`` refuses the flag by name (its list of precisions leaves
+    64-true out), though FSDP2 shards float64 weights as any others and the strategy converts the
+    model with the plugin it is given (``tests/test_exact.py``: FSDP on 2 ranks equals one process
+    to 1e-8 in float64). The flag is taken out of ``loop``."""
+    if str(loop.get("precision")) not in ("64-true", "64"):
+        return []
+    del loop["precision"]
+    return [DoublePrecision()]
+
+
 def build_trainer(
     cfg: DictConfig,
     settings: JobSettings,
@@ -252,8 +278,10 @@ def build_trainer(
     srun = [SLURMEnvironment(auto_requeue=False)] if settings.launcher == "srun" else []
     loop = OmegaConf.to_container(cfg.trainer, resolve=True)
     loop["profiler"] = loop.get("profiler") or NoProfiler()  # null: no cost per hook
+    precision = []
     if isinstance(strategy, WatchedFSDPStrategy):  # FSDP2 fails to gather weights under
         loop["inference_mode"] = False  # inference_mode before torch 2.13 (pytorch#197327)
+        precision = fsdp_double_precision(loop)
     return Trainer(
         resumes=resumes,
         accelerator=cfg.accelerator,
@@ -265,6 +293,6 @@ def build_trainer(
         enable_progress_bar=cfg.callbacks.progress_bar != "none",
         enable_model_summary=False,  # ModelSummaryFile
         default_root_dir=settings.output_dir,
-        plugins=[AtomicCheckpointIO(), *srun],
+        plugins=[AtomicCheckpointIO(), *srun, *precision],
         **loop,
     )

@@ -29,6 +29,7 @@ from tests.conftest import (
     N_TRAIN,
     PROJECT,
     VAL_SIZE,
+    one_error_line,
     read_metrics,
     run_entry,
     signal_at_step,
@@ -504,27 +505,70 @@ def test_partitions_give_each_rank_its_own_shards_and_every_world_the_same_batch
     assert list(full) != list(resumed)
     with pytest.raises(DataError, match="multiple of the world size 3"):
         PartitionedBatchSampler(split, 3, 0, 33, seed=5, parts=parts)
+    dm.check_world_size(2)  # at start: what the sampler would refuse on this world size
+    with pytest.raises(
+        DataError, match="^data.partitions=4 must be a multiple of the world size 3"
+    ):
+        dm.check_world_size(3)
 
 
 @pytest.mark.slow
-def test_partitioned_shards_train_the_same_on_one_and_two_ranks(
+def test_partitioned_shards_stopped_on_two_ranks_resume_on_one_to_the_same_job(
     shards: Path, tiny_root: Path, tmp_path: Path
 ) -> None:
-    args = [*shard_overrides(tiny_root, shards), *SMALL, "trainer.max_epochs=1"]
-    args += ["data.partitions=2", AUGMENT]
-    env = {"PYTHONPATH": f"{RECORDER}{os.pathsep}{PROJECT}"}
-    for name, more in (("one", []), ("two", ["strategy=ddp", "devices=2", "data.num_workers=1"])):
-        run_entry(
-            "train",
-            *args,
-            *more,
-            f"hydra.run.dir={name}",
-            cwd=tmp_path,
-            env={**env, "RECORD_BATCHES": str(tmp_path / f"{name}.jsonl")},
-        )
-    one, two = global_batches(tmp_path / "one.jsonl"), global_batches(tmp_path / "two.jsonl")
-    assert one == two and len(one) >= 8
-    assert_weights_close(tmp_path / "one", tmp_path / "two")
+    """Elastic resume with data.partitions: a job stopped mid-epoch on 2 ranks (each reading its
+    partition's shards) and resumed on 1 trains the global batches of the 1-process job, to its
+    weights (float64, exact BatchNorm and dropout: to 1e-8 of each tensor's largest value) and
+    metrics. (Other global batches would train other weights, far more than 1e-8 away; which
+    samples each rank reads is the daily test's above.)"""
+    args = [
+        *shard_overrides(tiny_root, shards),
+        "trainer.max_epochs=1",
+        "trainer.precision=64-true",
+    ]
+    args += ["data.partitions=2", AUGMENT, "data.num_workers=1"]
+    run_entry("train", *args, "hydra.run.dir=one", cwd=tmp_path)
+    stopped = run_entry(
+        "train",
+        *args,
+        "strategy=ddp",
+        "devices=2",
+        "callbacks.stop_check_every_n_steps=2",
+        "hydra.run.dir=two",
+        cwd=tmp_path,
+        check=False,
+        env=signal_at_step("4:SIGTERM"),
+    )
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    last = tmp_path / "two" / "checkpoints" / "last.ckpt"
+    assert 4 <= torch.load(last, weights_only=True)["global_step"] < 10, "stopped mid-epoch"
+    run_entry(
+        "train",
+        *args,
+        f"ckpt_path={last}",
+        "hydra.run.dir=resumed",
+        cwd=tmp_path,
+    )
+    # Refused at start on a world size that cannot own whole partitions: no folder, no rank.
+    refused = run_entry(
+        "train",
+        *args,
+        "devices=4",
+        f"ckpt_path={last}",
+        "hydra.run.dir=on4",
+        cwd=tmp_path,
+        check=False,
+    )
+    assert one_error_line(refused.stderr).startswith(
+        "Error: data.partitions=2 must be a multiple of the world size 4"
+    )
+    assert not (tmp_path / "on4").exists()
+    expected, resumed = final_weights(tmp_path / "one"), final_weights(tmp_path / "resumed")
+    for name, value in expected.items():
+        equal = 1e-8 * value.double().abs().max().clamp_min(1e-3).item()
+        torch.testing.assert_close(resumed[name], value, atol=equal, rtol=0, msg=name)
+    metrics, one_metrics = read_metrics(tmp_path / "resumed"), read_metrics(tmp_path / "one")
+    assert metrics == pytest.approx(one_metrics, rel=1e-6)
 
 
 def upload(folder: Path, bucket: str, prefix: str, env: dict[str, str]) -> str:

@@ -20,6 +20,22 @@ from src.template.data import DataError
 from src.template.resume import GlobalBatchSampler
 
 
+def check_partitions(count: int, world_size: int, global_batch_size: int) -> None:
+    """Refuse ``data.partitions=count`` where ``world_size`` ranks cannot each own whole
+    partitions, or a global batch cannot take the same share of each: checked at start (also
+    for a job resumed on another number of ranks), and by the sampler."""
+    if count % world_size:
+        raise DataError(
+            f"data.partitions={count} must be a multiple of the world size {world_size}: each "
+            f"rank reads whole partitions (a job resumed on another number of ranks too)"
+        )
+    if global_batch_size % count:
+        raise DataError(
+            f"data.batch_size={global_batch_size} must be a multiple of "
+            f"data.partitions={count}: each global batch takes the same share of each"
+        )
+
+
 def chunk_groups(chunk_sizes: Sequence[int], count: int) -> Tensor:
     """The partition of each shard (sample counts ``chunk_sizes``): ``count`` runs of whole
     shards of about equal sample counts."""
@@ -60,15 +76,7 @@ class PartitionedBatchSampler(GlobalBatchSampler):
         tag_epoch: bool = False,
     ) -> None:
         count = len(parts)
-        if count % num_replicas:
-            raise DataError(
-                f"data.partitions={count} must be a multiple of the world size {num_replicas}"
-            )
-        if global_batch_size % count:
-            raise DataError(
-                f"data.batch_size={global_batch_size} must be a multiple of "
-                f"data.partitions={count}: each global batch takes the same share of each"
-            )
+        check_partitions(count, num_replicas, global_batch_size)
         super().__init__(dataset, num_replicas, rank, global_batch_size, seed)
         self.parts = parts
         self.tag_epoch = tag_epoch

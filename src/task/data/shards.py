@@ -23,7 +23,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from src.task.data.augment import AugmentedSplit, check_augment
 from src.task.data.images import ImageDataModule, decode_image
-from src.task.data.partitions import PartitionedBatchSampler, chunk_groups, partition_rows
+from src.task.data.partitions import (
+    PartitionedBatchSampler,
+    check_partitions,
+    chunk_groups,
+    partition_rows,
+)
 from src.task.data.survey import say, size_note
 from src.template.data import Batch, DataError, carve_validation
 from src.template.resume import resume_position
@@ -312,6 +317,12 @@ class ShardDataModule(ImageDataModule):
         val_idx, train_idx = carve_validation(len(labels), self.hparams)
         self.val_set = self._split("train", val_idx, labels)
         self.train_set = self._split("train", train_idx, labels)
+
+    def check_world_size(self, world_size: int) -> None:
+        """``data.partitions``: whole partitions for each of ``world_size`` ranks and the same
+        share of each in every global batch, checked at start."""
+        if count := self.hparams.get("partitions"):
+            check_partitions(count, world_size, self.hparams.batch_size)
 
     def check_cache(self, count: int | None, mine: Sequence[int] = ()) -> None:
         """Remote shards are read in a random order, so LitData's cache must hold all the shards
