@@ -21,8 +21,10 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from src.template.task import Task
 from src.template.tracking.sweep_run import PARENT_FILE
 from tests.conftest import PROJECT, read_metrics, run_entry, served
+from tests.machinery_task import TASK as MACHINERY_TASK
 from tests.test_sweep_report import rows
 
 REGRESSION = PROJECT / "tests" / "regression_task"  # laid out as the project: src/task/, conf/
@@ -94,6 +96,17 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(PROJECT, copy, ignore=leave_out)
     make_it_a_regression(copy)
     return copy
+
+
+def test_a_renamed_field_answers_with_its_new_name() -> None:
+    """A task written for an older template: one line naming the field's name now."""
+    required = ("datamodules", "model_class", "build_model", "config_targets", "monitor", "mode")
+    fields = {key: getattr(MACHINERY_TASK, key) for key in required}
+    with pytest.raises(TypeError) as refused:
+        Task(**fields, predict_files=lambda *args: None)
+    assert str(refused.value) == (
+        "Task(predict_files=...) is now Task(predict_inputs=...): rename it in src/task/"
+    )
 
 
 def files(root: Path) -> set[str]:
