@@ -301,7 +301,8 @@ def exact_attention(
     """``F.scaled_dot_product_attention`` in training, its dropout drawn for the global batch
     (:func:`global_mask` on the attention weights, ``[batch, ..., L, S]``): torch's own math path
     (what it runs on the CPU with dropout), so one CPU process's draws and values are torch's."""
-    length, source = query.shape[-2], key.shape[-2]
+    length = query.shape[-2]
+    source = key.shape[-2]
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     if enable_gqa:  # grouped-query attention: each key and value head serves several queries
         repeats = query.shape[-3] // key.shape[-3]
