@@ -73,6 +73,13 @@ def image_extras(root: Path) -> list[Path]:
 
 def make_it_a_regression(copy: Path) -> None:
     """The steps of docs/make-it-yours.md for another kind of task, in ``copy``."""
+    replace_the_task(copy, REGRESSION, data="synthetic", model="mlp")
+
+
+def replace_the_task(copy: Path, task: Path, data: str, model: str) -> None:
+    """The steps of docs/make-it-yours.md for another kind of task, in ``copy``: the task laid
+    out as the project in ``task`` (src/task/, tests/task/, conf/) with its ``data`` and
+    ``model`` configs."""
     # 1. Delete the image task: its package, its tests, the configs of its datasets and networks,
     # its benchmarks and notebooks.
     shutil.rmtree(copy / "src" / "task")
@@ -83,11 +90,11 @@ def make_it_a_regression(copy: Path) -> None:
     for path in image_extras(copy):
         path.unlink()
     # 2. Write the new one: src/task/ (TASK and what it names), conf/data/, conf/model/.
-    shutil.copytree(REGRESSION, copy, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__py*"))
+    shutil.copytree(task, copy, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__py*"))
     # 3. Point the entry points' defaults at it (the sweep metric follows its TASK.monitor).
     for entry in ("train", "eval", "predict", "prepare"):
-        set_line(copy / "conf" / f"{entry}.yaml", "  - data:", "  - data: synthetic")
-    set_line(copy / "conf" / "train.yaml", "  - model:", "  - model: mlp")
+        set_line(copy / "conf" / f"{entry}.yaml", "  - data:", f"  - data: {data}")
+    set_line(copy / "conf" / "train.yaml", "  - model:", f"  - model: {model}")
 
 
 @pytest.fixture(scope="module")

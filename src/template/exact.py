@@ -14,9 +14,12 @@ as a base, its parameters, buffers and state-dict keys), into global-batch layer
   :class:`~src.template.resume.SeedEachBatch`) and keeps this rank's rows, so a sample's mask
   depends on the seed, the step and its place in the global batch, never on the rank.
 
-In evaluation mode, or in one process, each layer runs its torch class's own forward. A layer it
-cannot make exact (a random op of its own, a normalisation over the batch it does not know) is
-named by :func:`inexact_layers`.
+In evaluation mode, or in one process, each layer runs its torch class's own forward. While the
+job trains, :class:`ExactTraining` (a callback) makes the dropout of
+``F.scaled_dot_product_attention`` and ``F.dropout`` exact the same way
+(:class:`ExactRandomFunctions`) and, on the first real training batch, names in one line what
+is left to differ with the world size (:func:`inexact_layers`): a normalisation over the batch it
+does not know, a random op that actually drew outside what is made exact.
 """
 
 import inspect
