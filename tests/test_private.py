@@ -5,6 +5,7 @@ import inspect
 import warnings
 from pathlib import Path
 
+import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from src.template.private import (
@@ -12,6 +13,7 @@ from src.template.private import (
     SyncBatchNormFunction,
     differentiable_all_gather,
     forget_train_loader,
+    op_arguments,
     run_context_tags,
     set_num_threads_if_needed,
 )
@@ -176,3 +178,17 @@ def test_torchs_sync_batchnorm_function_takes_what_the_global_batchnorm_passes()
         "world_size",
     ]
     assert callable(SyncBatchNormFunction.apply)
+
+
+def test_torchs_op_schema_names_what_the_first_batch_check_reads() -> None:
+    """The CPU's fused attention op, tagged random whatever its dropout_p, and a dropout op."""
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.zeros(1, 1, 2, 4)
+    assert op_arguments(attention, (q, q, q), {})["dropout_p"] == 0.0
+    assert op_arguments(attention, (q, q, q, 0.1, True), {})["dropout_p"] == 0.1
+    dropout = torch.ops.aten.native_dropout.default
+    assert op_arguments(dropout, (q, 0.0, False), {}) | {"input": None} == {
+        "input": None,
+        "p": 0.0,
+        "train": False,
+    }

@@ -40,7 +40,11 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from src.template.private import SyncBatchNormFunction, differentiable_all_gather
+from src.template.private import (
+    SyncBatchNormFunction,
+    differentiable_all_gather,
+    op_arguments,
+)
 
 # Devices where torch's SyncBatchNorm runs (it refuses CPU tensors).
 SYNC_BATCH_NORM_DEVICES = ("cuda", "xpu")
@@ -390,9 +394,7 @@ def draws_random_numbers(func: Any, args: tuple, kwargs: dict) -> bool:
     fused attention op is tagged random whatever its ``dropout_p``)."""
     if RANDOM not in func.tags:
         return False
-    schema = func._schema.arguments
-    defaults = {arg.name: arg.default_value for arg in schema if arg.has_default_value()}
-    given = defaults | {arg.name: value for arg, value in zip(schema, args, strict=False)} | kwargs
+    given = op_arguments(func, args, kwargs)
     if given.get("train") is False or given.get("dropout_p") == 0:
         return False
     return not ("dropout" in func.__name__ and given.get("p") == 0)

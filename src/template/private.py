@@ -38,6 +38,10 @@ pinned by ``tests/test_private.py``: an upgrade that changes one fails there, lo
   ``torch.nn.modules._functions.SyncBatchNorm``, which the global-batch BatchNorm
   (``src/template/exact.py``) applies on GPUs without taking the class ``nn.SyncBatchNorm``
   (whose modules are no ``nn.BatchNorm2d``: FSDP's sharded blocks name that class).
+* torch's schema of an aten op (``OpOverload._schema.arguments``: each argument's ``name``,
+  ``has_default_value()``, ``default_value``), by which the first-batch check of
+  ``src/template/exact.py`` reads a random op's ``dropout_p``, ``p`` or ``train`` (the CPU's
+  fused attention op is tagged random whatever its ``dropout_p``): :func:`op_arguments`.
 """
 
 from typing import Any
@@ -58,6 +62,7 @@ __all__ = [
     "SyncBatchNormFunction",
     "differentiable_all_gather",
     "forget_train_loader",
+    "op_arguments",
     "run_context_tags",
     "set_num_threads_if_needed",
 ]
@@ -77,3 +82,10 @@ def run_context_tags(tags: dict[str, str]) -> dict[str, str]:
     from mlflow.tracking.context.registry import resolve_tags  # mlflow loads slowly: not here
 
     return resolve_tags(tags)
+
+
+def op_arguments(op: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a call of aten op ``op`` by name, their defaults filled in."""
+    schema = op._schema.arguments
+    defaults = {arg.name: arg.default_value for arg in schema if arg.has_default_value()}
+    return defaults | {arg.name: value for arg, value in zip(schema, args, strict=False)} | kwargs
