@@ -9,17 +9,22 @@ end-to-end tests (slow) share their jobs: each network's job on N ranks runs onc
 """
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as L
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from src.template.exact import (
+    ExactRandomFunctions,
+    ExactTraining,
     GlobalBatchNorm2d,
     GlobalDropout,
     GlobalDropoutNd,
@@ -112,6 +117,36 @@ def dropped(name: str, rows: slice, device: str) -> torch.Tensor:
     return layers(inputs[rows].to(device)).cpu()
 
 
+def attention(rows: slice, device: str) -> torch.Tensor:
+    """nanoGPT's causal attention with dropout 0.3 on ``rows`` of a global batch, and its
+    gradient with respect to the queries."""
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(BATCH, 2, 5, 8, generator=generator)[rows].to(device) for _ in "qkv")
+    q.requires_grad_()
+    torch.manual_seed(SEED)
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+    out.sum().backward()
+    return torch.stack([out.detach(), q.grad]).cpu()
+
+
+FUNCTIONS = {
+    "attention": attention,
+    "F.dropout": lambda rows, device: functional_dropout(rows, device),
+}
+
+
+def functional_dropout(rows: slice, device: str) -> torch.Tensor:
+    inputs = torch.randn(BATCH, 64, generator=torch.Generator().manual_seed(2)) + 1
+    torch.manual_seed(SEED)
+    return F.dropout(inputs[rows].to(device), 0.25, training=True).cpu()
+
+
+def made_exact(name: str, rows: slice, device: str) -> torch.Tensor:
+    """Random function ``name`` on ``rows`` of a global batch, as a training step runs it."""
+    with ExactRandomFunctions():
+        return FUNCTIONS[name](rows, device)
+
+
 def rank_results(rank: int, port: int, out: Path, device: str) -> None:
     """One rank of the module's process group: every check's results, to ``rank<r>.pt``."""
     torch.set_num_threads(1)
@@ -130,6 +165,7 @@ def rank_results(rank: int, port: int, out: Path, device: str) -> None:
                 for name, norm in batch_norms(torch.float64).items()
             },
             "dropouts": {name: dropped(name, rows, device) for name in DROPOUTS},
+            "functions": {name: made_exact(name, rows, device) for name in FUNCTIONS},
         }
         torch.save(results, out / f"rank{rank}.pt")
     finally:
@@ -200,6 +236,22 @@ def test_dropout_masks_sliced_by_rank_are_the_whole_batchs(
     assert (whole == 0).any() or "Alpha" in name, "some values were dropped"
 
 
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_attention_dropout_on_two_ranks_is_one_processs(
+    name: str, two_ranks: tuple[str, list[dict[str, Any]]]
+) -> None:
+    """F.scaled_dot_product_attention's dropout_p (forward and backward) and F.dropout, made
+    exact: the ranks' rows together are one process's, and on the CPU torch's own."""
+    device, results = two_ranks
+    batch_dim = 1 if name == "attention" else 0  # attention: [output, gradient] of each row
+    whole = torch.cat([rank["functions"][name] for rank in results], dim=batch_dim)
+    expected = made_exact(name, slice(None), device)
+    torch.testing.assert_close(whole, expected, atol=1e-6, rtol=1e-5)
+    if device == "cpu":  # one CPU process runs torch's function itself
+        torch.testing.assert_close(FUNCTIONS[name](slice(None), device), expected, atol=0, rtol=0)
+    assert (whole == 0).any(), "some values were dropped (the attention of a first position)"
+
+
 def test_one_process_draws_the_mask_torch_draws() -> None:
     """On one CPU process a converted dropout is torch's: the same draws, the same values."""
     inputs = torch.randn(BATCH, 64)
@@ -268,23 +320,102 @@ class Forked(Net):
         return F.dropout(self.head(features), 0.2, self.training)
 
 
+class Trained(L.LightningModule):
+    """A forker's LightningModule around ``net``, with no ``example_input_array``: its loss the
+    mean square of the outputs, on ``shape``-shaped samples."""
+
+    def __init__(self, net: nn.Module, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.net = net
+        self.shape = shape
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        inputs = torch.randn(12, *self.shape, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(inputs), batch_size=4)
+
+
+def first_batch_lines(net: nn.Module, shape: tuple[int, ...]) -> list[str]:
+    """The strategy.exact lines of 3 training steps of ``net``, made exact as a job makes it."""
+    model = Trained(make_exact(net), shape)
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ExactTraining()],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    return [str(w.message) for w in caught if str(w.message).startswith("strategy.exact")]
+
+
+class Attention(nn.Module):
+    """nanoGPT's causal self-attention (dropout on its weights, as nanoGPT passes it: only in
+    training) and, optionally, nn.MultiheadAttention after it."""
+
+    def __init__(self, dropout: float, multihead_dropout: float | None = None) -> None:
+        super().__init__()
+        self.dropout = dropout
+        self.qkv = nn.Linear(8, 24)
+        self.multihead = (
+            None
+            if multihead_dropout is None
+            else nn.MultiheadAttention(8, 2, dropout=multihead_dropout, batch_first=True)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        dropout = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        out = out.transpose(1, 2).reshape(batch, length, width)
+        if self.multihead is not None:
+            out = self.multihead(out, out, out, need_weights=False)[0]
+        return out
+
+
+def test_the_first_real_batch_names_what_draws_per_rank_once() -> None:
+    """No example input: the job's first training batch is what is checked. Attention dropout
+    written with F.scaled_dot_product_attention is made exact; nothing is named at dropout 0
+    (the CPU's attention op is tagged random whatever its dropout_p); nn.MultiheadAttention's
+    dropout is named once, in one line, however many steps run."""
+    shape = (5, 8)
+    assert first_batch_lines(Attention(0.0), shape) == []
+    assert first_batch_lines(Attention(0.1), shape) == []
+    assert first_batch_lines(Attention(0.1, multihead_dropout=0.0), shape) == []
+    (line,) = first_batch_lines(Attention(0.0, multihead_dropout=0.1), shape)
+    assert line == (
+        "strategy.exact: 1 layer(s) train differently on N ranks than on one: net.multihead "
+        "(MultiheadAttention: its dropout on the attention weights is drawn per rank; write the "
+        "attention with F.scaled_dot_product_attention, whose dropout_p is made exact) "
+        "(docs/make-it-yours.md, step 2)"
+    )
+
+
 def test_what_cannot_be_made_exact_is_named_and_the_model_left_as_it_was() -> None:
-    assert inexact_layers(make_exact(Net())) == [], "the shipped kinds are all exact"
+    assert first_batch_lines(Net(), (1, 6, 6)) == [], "the shipped kinds are all exact"
+    (line,) = first_batch_lines(Forked(), (1, 6, 6))
+    named = line.split(": ", 2)[2].removesuffix(" (docs/make-it-yours.md, step 2)")
+    assert named.split("; ") == [
+        "net.norm (InstanceNorm2d: running statistics of each rank's batch)",
+        "net.extra (OwnDropout: a dropout kind drawn per rank)",
+        "net.noise (OwnNoise: draws random numbers in its forward: aten.randn_like)",
+    ], "F.dropout in its forward is made exact"
     net = make_exact(Forked()).eval()
-    state = copy.deepcopy(net.state_dict())
-    random_state = torch.get_rng_state()
-    assert inexact_layers(net) == [
-        "norm (InstanceNorm2d: running statistics of each rank's batch)",
-        "extra (OwnDropout: a dropout kind drawn per rank)",
-        "noise (OwnNoise: draws random numbers in its forward: aten.randn_like)",
-        "the model (Forked: draws random numbers in its forward: aten.bernoulli_)",
-    ]
-    assert not net.training and not any(module.training for module in net.modules())
-    for key, value in net.state_dict().items():
-        assert torch.equal(value, state[key]), f"{key}: the trial forward left no trace"
-    assert torch.equal(torch.get_rng_state(), random_state)
-    del net.example_input_array  # without an example: the kinds only
-    assert [line.split(" ")[0] for line in inexact_layers(net)] == ["norm", "extra"]
+    assert [line.split(" ")[0] for line in inexact_layers(net)] == ["norm", "extra"], "kinds"
 
 
 def test_without_running_statistics_evaluation_is_named() -> None:

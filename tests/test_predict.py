@@ -11,12 +11,17 @@ from src.template.config import ConfigError
 from tests.machinery_task import TASK
 from tests.test_config import compose_config
 
+# The image task's conf/predict.yaml lines (``inputs: ${images}``, ``images: null``), given as
+# overrides: another task's conf/predict.yaml may drop ``images:`` (docs/make-it-yours.md), and
+# these tests check the machinery's handling of it, not the shipped task's config.
+IMAGES = ["inputs=${images}", "++images=new/"]
 
-@pytest.mark.parametrize("typed", ["inputs=new/", "images=new/"])
-def test_new_inputs_are_the_tasks_to_read_or_refused_in_one_line(typed: str, tmp_path: Path):
+
+@pytest.mark.parametrize("typed", [["inputs=new/"], IMAGES], ids=["inputs", "images"])
+def test_new_inputs_are_the_tasks_to_read_or_refused_in_one_line(typed: list[str], tmp_path: Path):
     """``inputs=`` (or the image task's ``images=``) goes to the task's ``predict_inputs``; a
     task without one refuses it by name instead of failing on a reader it does not have."""
-    cfg = compose_config("predict", ["ckpt_path=x.ckpt", typed], tmp_path)
+    cfg = compose_config("predict", ["ckpt_path=x.ckpt", *typed], tmp_path)
     with pytest.raises(ConfigError, match="inputs=new/: this task predicts its data splits only"):
         predict(cfg, replace(TASK, predict_inputs=None))
 
@@ -43,7 +48,7 @@ def test_a_list_of_inputs_is_refused_in_one_line(tmp_path: Path) -> None:
 
 def test_images_and_inputs_together_are_refused_in_one_line(tmp_path: Path) -> None:
     """images= is inputs= by another name: given both, neither is dropped quietly."""
-    cfg = compose_config("predict", ["ckpt_path=x.ckpt", "images=a", "inputs=b"], tmp_path)
+    cfg = compose_config("predict", ["ckpt_path=x.ckpt", "++images=a", "inputs=b"], tmp_path)
     with pytest.raises(ConfigError, match="images=a and inputs=b together: images= is the image"):
         predict(cfg, TASK)
 

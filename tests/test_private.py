@@ -5,6 +5,7 @@ import inspect
 import warnings
 from pathlib import Path
 
+import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from src.template.private import (
@@ -14,6 +15,7 @@ from src.template.private import (
     epoch_level_training_results,
     forget_step_values,
     forget_train_loader,
+    op_arguments,
     reset_window,
     run_context_tags,
     send_step_values,
@@ -208,3 +210,17 @@ def test_lightnings_training_results_have_what_training_points_use() -> None:
     forget_step_values(trainer, "on_train_batch_end", {"step"})
     assert results["on_train_batch_end.step"].has_reset
     assert send_step_values.__doc__ and callable(_LoggerConnector.update_train_step_metrics)
+
+
+def test_torchs_op_schema_names_what_the_first_batch_check_reads() -> None:
+    """The CPU's fused attention op, tagged random whatever its dropout_p, and a dropout op."""
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.zeros(1, 1, 2, 4)
+    assert op_arguments(attention, (q, q, q), {})["dropout_p"] == 0.0
+    assert op_arguments(attention, (q, q, q, 0.1, True), {})["dropout_p"] == 0.1
+    dropout = torch.ops.aten.native_dropout.default
+    assert op_arguments(dropout, (q, 0.0, False), {}) | {"input": None} == {
+        "input": None,
+        "p": 0.0,
+        "train": False,
+    }

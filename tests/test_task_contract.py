@@ -21,8 +21,10 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from src.template.task import Task
 from src.template.tracking.sweep_run import PARENT_FILE
 from tests.conftest import PROJECT, read_metrics, run_entry, served
+from tests.machinery_task import TASK as MACHINERY_TASK
 from tests.test_sweep_report import rows
 
 REGRESSION = PROJECT / "tests" / "regression_task"  # laid out as the project: src/task/, conf/
@@ -71,6 +73,13 @@ def image_extras(root: Path) -> list[Path]:
 
 def make_it_a_regression(copy: Path) -> None:
     """The steps of docs/make-it-yours.md for another kind of task, in ``copy``."""
+    replace_the_task(copy, REGRESSION, data="synthetic", model="mlp")
+
+
+def replace_the_task(copy: Path, task: Path, data: str, model: str) -> None:
+    """The steps of docs/make-it-yours.md for another kind of task, in ``copy``: the task laid
+    out as the project in ``task`` (src/task/, tests/task/, conf/) with its ``data`` and
+    ``model`` configs."""
     # 1. Delete the image task: its package, its tests, the configs of its datasets and networks,
     # its benchmarks and notebooks.
     shutil.rmtree(copy / "src" / "task")
@@ -81,11 +90,11 @@ def make_it_a_regression(copy: Path) -> None:
     for path in image_extras(copy):
         path.unlink()
     # 2. Write the new one: src/task/ (TASK and what it names), conf/data/, conf/model/.
-    shutil.copytree(REGRESSION, copy, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__py*"))
+    shutil.copytree(task, copy, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__py*"))
     # 3. Point the entry points' defaults at it (the sweep metric follows its TASK.monitor).
     for entry in ("train", "eval", "predict", "prepare"):
-        set_line(copy / "conf" / f"{entry}.yaml", "  - data:", "  - data: synthetic")
-    set_line(copy / "conf" / "train.yaml", "  - model:", "  - model: mlp")
+        set_line(copy / "conf" / f"{entry}.yaml", "  - data:", f"  - data: {data}")
+    set_line(copy / "conf" / "train.yaml", "  - model:", f"  - model: {model}")
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +103,17 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(PROJECT, copy, ignore=leave_out)
     make_it_a_regression(copy)
     return copy
+
+
+def test_a_renamed_field_answers_with_its_new_name() -> None:
+    """A task written for an older template: one line naming the field's name now."""
+    required = ("datamodules", "model_class", "build_model", "config_targets", "monitor", "mode")
+    fields = {key: getattr(MACHINERY_TASK, key) for key in required}
+    with pytest.raises(TypeError) as refused:
+        Task(**fields, predict_files=lambda *args: None)
+    assert str(refused.value) == (
+        "Task(predict_files=...) is now Task(predict_inputs=...): rename it in src/task/"
+    )
 
 
 def files(root: Path) -> set[str]:

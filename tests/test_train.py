@@ -39,8 +39,14 @@ from tests.conftest import (
 
 # The trained job (tests/conftest.py): 2 epochs, validated twice an epoch, the training metrics
 # logged every 4 steps.
-VALIDATE_EVERY = STEPS_PER_EPOCH // 2  # trainer.val_check_interval=0.5
+VALIDATE_EVERY = max(1, int(STEPS_PER_EPOCH * 0.5))  # val_check_interval=0.5, as Lightning has it
 LAST_STEP = 2 * STEPS_PER_EPOCH
+# Every VALIDATE_EVERY batches of each epoch: of an odd number of steps, not at the epoch's end.
+VALIDATIONS = [
+    epoch * STEPS_PER_EPOCH + batches
+    for epoch in range(2)
+    for batches in range(VALIDATE_EVERY, STEPS_PER_EPOCH + 1, VALIDATE_EVERY)
+]
 
 
 def test_train_reports_the_tasks_metrics_and_seeds(trained: dict[str, Path]) -> None:
@@ -120,15 +126,16 @@ def test_secrets_never_become_params_or_tags(trained: dict[str, Path]) -> None:
 
 
 def test_mlflow_metrics_are_at_the_global_step(trained: dict[str, Path]) -> None:
-    """2 epochs, validated twice an epoch, the training metrics logged every 4 steps and at each
-    epoch's end (the steps since the last point): each at the global step, with the epoch it
-    fell in; the best checkpoint chosen among every validation, mid-epoch ones too."""
+    """2 epochs, validated twice an epoch (of any number of steps), the training metrics logged
+    every 4 steps and at each epoch's end (the steps since the last point): each at the global
+    step, with the epoch it fell in; the best checkpoint chosen among every validation,
+    mid-epoch ones too."""
     client, run = only_run(trained["workdir"] / "mlflow.db")
     history = {
         key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
         for key in run.data.metrics
     }
-    validations = list(range(VALIDATE_EVERY, LAST_STEP + 1, VALIDATE_EVERY))
+    validations = VALIDATIONS
     trained_at = sorted({*range(4, LAST_STEP + 1, 4), STEPS_PER_EPOCH, LAST_STEP})
     assert [step for step, _ in history[TASK.monitor]] == validations
     for key, points in history.items():

@@ -14,26 +14,37 @@ as a base, its parameters, buffers and state-dict keys), into global-batch layer
   :class:`~src.template.resume.SeedEachBatch`) and keeps this rank's rows, so a sample's mask
   depends on the seed, the step and its place in the global batch, never on the rank.
 
-In evaluation mode, or in one process, each layer runs its torch class's own forward. A layer it
-cannot make exact (a random op of its own, a normalisation over the batch it does not know) is
-named by :func:`inexact_layers`.
+In evaluation mode, or in one process, each layer runs its torch class's own forward. While the
+job trains, :class:`ExactTraining` (a callback) makes the dropout of
+``F.scaled_dot_product_attention`` and ``F.dropout`` exact the same way
+(:class:`ExactRandomFunctions`) and, on the first real training batch, names in one line what
+is left to differ with the world size (:func:`inexact_layers`): a normalisation over the batch it
+does not know, a random op that actually drew outside what is made exact.
 """
 
+import inspect
 import math
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+import lightning.pytorch as L
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
-from torch.nn.parameter import is_lazy
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from src.template.private import SyncBatchNormFunction, differentiable_all_gather
+from src.template.private import (
+    SyncBatchNormFunction,
+    differentiable_all_gather,
+    op_arguments,
+)
 
 # Devices where torch's SyncBatchNorm runs (it refuses CPU tensors).
 SYNC_BATCH_NORM_DEVICES = ("cuda", "xpu")
@@ -233,29 +244,11 @@ def make_exact(model: nn.Module) -> nn.Module:
     return model
 
 
-@rank_zero_only
-def name_inexact_layers(model: nn.Module) -> None:
-    """One warning at start naming each layer of ``model`` left to differ with the world size
-    (:func:`inexact_layers`), by rank 0 (its trial forward too)."""
-    if layers := inexact_layers(model):
-        rank_zero_warn(
-            f"strategy.exact: {len(layers)} layer(s) train differently on N ranks than on one: "
-            f"{'; '.join(layers)} (docs/make-it-yours.md, step 2)"
-        )
-
-
-def inexact_layers(model: nn.Module) -> list[str]:
-    """``path (Type: why)`` of each layer of ``model`` that trains differently on N ranks than on
-    one: a normalisation with running statistics or a dropout left as it was (a subclass, a kind
-    the template does not know) and, where the model has an ``example_input_array``, a layer
-    whose training forward draws random numbers outside the global-batch layers."""
-    found = {name: why for name, module in model.named_modules() if (why := why_inexact(module))}
-    for name, op in random_ops_in_forward(model).items():
-        found.setdefault(name, f"draws random numbers in its forward: {op}")
-    return [
-        f"{name or 'the model'} ({type(model.get_submodule(name)).__name__}: {why})"
-        for name, why in found.items()
-    ]
+def inexact_kinds(model: nn.Module) -> dict[str, str]:
+    """``path: why`` of each layer of ``model`` that, by its kind, trains differently on N ranks
+    than on one: a normalisation with running statistics or a dropout left as it was (a
+    subclass, a kind the template does not know)."""
+    return {name: why for name, module in model.named_modules() if (why := why_inexact(module))}
 
 
 def why_inexact(module: nn.Module) -> str | None:
@@ -271,87 +264,177 @@ def why_inexact(module: nn.Module) -> str | None:
     return None
 
 
-RANDOM = torch.Tag.nondeterministic_seeded  # the tag of every aten op that draws numbers
+def described(model: nn.Module, found: dict[str, str]) -> list[str]:
+    """``path (Type: why)`` of each of ``found``'s layers."""
+    return [
+        f"{name or 'the model'} ({type(model.get_submodule(name)).__name__}: {why})"
+        for name, why in found.items()
+    ]
+
+
+def inexact_layers(model: nn.Module, draws: dict[str, str] | None = None) -> list[str]:
+    """``path (Type: why)`` of each layer of ``model`` that trains differently on N ranks than on
+    one: by its kind, and each that drew random numbers outside what is made exact (``draws``,
+    by :class:`FirstBatchCheck` on the first real training batch)."""
+    found = inexact_kinds(model)
+    for name, op in (draws or {}).items():
+        found.setdefault(name, why_drawn(model.get_submodule(name), op))
+    return described(model, found)
+
+
+def why_drawn(module: nn.Module, op: str) -> str:
+    """Why the random op ``op`` that ``module`` drew in a training forward is not exact."""
+    if isinstance(module, nn.MultiheadAttention):  # its functional forward: out of reach
+        return (
+            "its dropout on the attention weights is drawn per rank; write the attention with "
+            "F.scaled_dot_product_attention, whose dropout_p is made exact"
+        )
+    return f"draws random numbers in its forward: {op}"
+
+
+# --- attention dropout and functional dropout, exact ---------------------------------------
+
+
+def exact_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` in training, its dropout drawn for the global batch
+    (:func:`global_mask` on the attention weights, ``[batch, ..., L, S]``): torch's own math path
+    (what it runs on the CPU with dropout), so one CPU process's draws and values are torch's."""
+    length = query.shape[-2]
+    source = key.shape[-2]
+    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if enable_gqa:  # grouped-query attention: each key and value head serves several queries
+        repeats = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeats, -3)
+        value = value.repeat_interleave(repeats, -3)
+    bias = query.new_zeros(length, source)
+    if is_causal:
+        visible = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+        bias = bias.masked_fill(~visible, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            bias = bias.masked_fill(~attn_mask, float("-inf"))
+        else:
+            bias = bias + attn_mask
+    scores = query @ key.transpose(-2, -1) * scale + bias
+    # torch's _safe_softmax: a row that sees nothing attends to nothing (0, not NaN)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    keep = global_mask(weights, dropout_p, per_channel=False).div_(1 - dropout_p)
+    return (weights * keep) @ value
+
+
+def exact_dropout(
+    input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> Tensor:
+    """``F.dropout``, its mask drawn for the global batch (as :class:`GlobalDropout`)."""
+    keep = global_mask(input, p, per_channel=False).div_(1 - p)
+    return input.mul_(keep) if inplace else input * keep
+
+
+def call_arguments(like: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by name, bound as ``like`` (a function of the same signature) takes
+    them: torch's builtin SDPA has no Python signature, ours has its."""
+    return inspect.signature(like).bind(*args, **kwargs).arguments
+
+
+class ExactRandomFunctions(TorchFunctionMode):
+    """Random functions called in a training forward, made exact at any world size: the dropout
+    of ``F.scaled_dot_product_attention`` (``dropout_p``) and ``F.dropout``, their masks drawn
+    for the global batch as :class:`GlobalDropout` draws its. In one CPU process torch's own
+    functions run (they draw the same masks); on N ranks, or on an accelerator (whose fused
+    attention kernels draw their masks their own way), the template's: attention as torch's math
+    path, its weights materialised. ``calls_made_exact`` counts the template's own calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exact_draws = 0
+        self.calls_made_exact = 0  # on N ranks or an accelerator: the template's own
+        self.inside = False  # in a call made exact: its draws are
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            arguments = call_arguments(exact_attention, args, kwargs)
+            query = arguments["query"]
+            if not arguments.get("dropout_p", 0.0) or query.dim() < 3:
+                return func(*args, **kwargs)  # nothing drawn (or no batch to place a sample in)
+            return self.made_exact(func, exact_attention, query, args, kwargs)
+        if func is F.dropout:
+            arguments = call_arguments(exact_dropout, args, kwargs)
+            drawn = arguments.get("training", True) and 0 < arguments.get("p", 0.5) < 1
+            if not drawn:
+                return func(*args, **kwargs)
+            return self.made_exact(func, exact_dropout, arguments["input"], args, kwargs)
+        return func(*args, **kwargs)
+
+    def made_exact(self, torchs: Any, ours: Any, input: Tensor, args: tuple, kwargs: dict) -> Any:
+        _, world = rank_and_world()
+        self.exact_draws += 1
+        fused_attention = torchs is F.scaled_dot_product_attention and input.device.type != "cpu"
+        own = world > 1 or fused_attention
+        self.calls_made_exact += own
+        self.inside = True
+        try:
+            return ours(*args, **kwargs) if own else torchs(*args, **kwargs)
+        finally:
+            self.inside = False
+
+
+def draws_random_numbers(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether aten op ``func`` draws random numbers with these arguments: tagged so, and not
+    told to draw nothing (a ``dropout_p`` or dropout ``p`` of 0, ``train=False``: the CPU's
+    fused attention op is tagged random whatever its ``dropout_p``)."""
+    if RANDOM not in func.tags:
+        return False
+    given = op_arguments(func, args, kwargs)
+    if given.get("train") is False or given.get("dropout_p") == 0:
+        return False
+    return not ("dropout" in func.__name__ and given.get("p") == 0)
+
+
+RANDOM = torch.Tag.nondeterministic_seeded  # the tag of every aten op that may draw numbers
 
 
 class RandomOps(TorchDispatchMode):
-    """Notes each aten op that draws random numbers, by the innermost module running it."""
+    """Notes each aten op that draws random numbers, by the innermost module running it, but for
+    the draws made exact (a global-batch dropout's, those of ``exact``'s functions)."""
 
-    def __init__(self, running: list[nn.Module]) -> None:
+    def __init__(self, running: list[nn.Module], exact: ExactRandomFunctions) -> None:
         super().__init__()
         self.running = running
+        self.exact = exact
         self.found: dict[nn.Module, str] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         innermost = self.running[-1] if self.running else None
-        # A global-batch dropout's draws are exact; any other module's are not.
-        of_its_own = innermost is not None and not isinstance(innermost, GlobalDropoutNd)
-        if RANDOM in func.tags and of_its_own:
+        exact = self.exact.inside or isinstance(innermost, GlobalDropoutNd)
+        if innermost is not None and not exact and draws_random_numbers(func, args, kwargs):
             self.found.setdefault(innermost, str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
-def random_ops_in_forward(model: nn.Module) -> dict[str, str]:
-    """The random op each module of ``model`` draws itself in a trial training forward on its
-    ``example_input_array`` (twice over: a batch of 2), by module path; the model is left as it
-    was (modes, buffers, random state). Nothing without an example, or one it fails on."""
-    example = getattr(model, "example_input_array", None)
-    tensors = [*model.parameters(), *model.buffers()]
-    if example is None or any(is_lazy(tensor) for tensor in tensors):  # shapes not known yet
-        return {}
-    names = {module: name for name, module in model.named_modules()}
-    with ExitStack() as scope:
-        scope.enter_context(trial_mode(model))
-        scope.enter_context(torch.random.fork_rng(devices=[]))
-        scope.enter_context(torch.no_grad())
-        scope.enter_context(torch.compiler.set_stance("force_eager"))
-        ops = scope.enter_context(RandomOps(scope.enter_context(running_modules(model))))
-        try:
-            call_with(model, example)
-        except Exception:  # noqa: BLE001 - a model that cannot run its example is not checked
-            return {}
-    return {names[module]: op for module, op in ops.found.items()}
-
-
-def call_with(model: nn.Module, example: Any) -> None:
-    """``model`` called on ``example`` as Lightning's model summary calls it."""
-    if isinstance(example, Tensor):
-        model(torch.cat([example, example]))
-    elif isinstance(example, list | tuple):
-        model(*example)
-    elif isinstance(example, dict):
-        model(**example)
-
-
-@contextmanager
-def trial_mode(model: nn.Module) -> Iterator[None]:
-    """``model`` in training mode, then as it was: each module's mode and every buffer (the
-    running statistics a training forward updates)."""
-    modes = {module: module.training for module in model.modules()}
-    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    model.train()
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                buffer.copy_(buffers[name])
-        for module, training in modes.items():
-            module.training = training
+        return func(*args, **kwargs)
 
 
 @contextmanager
 def running_modules(model: nn.Module) -> Iterator[list[nn.Module]]:
-    """The modules of ``model`` running now, outermost first, kept by global forward hooks."""
+    """The modules of ``model`` running now, outermost first (``model`` itself at the bottom:
+    a training step runs in it), kept by global forward hooks."""
     inside = {id(module) for module in model.modules()}
-    running: list[nn.Module] = []
+    running: list[nn.Module] = [model]
 
     def enter(module: nn.Module, args: Any) -> None:
         if id(module) in inside:
             running.append(module)
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
-        if running and running[-1] is module:
+        if len(running) > 1 and running[-1] is module:
             running.pop()
 
     hooks = [
@@ -363,3 +446,72 @@ def running_modules(model: nn.Module) -> Iterator[list[nn.Module]]:
     finally:
         for hook in hooks:
             hook.remove()
+
+
+class ExactTraining(Callback):
+    """``strategy.exact`` while training: the random functions of each training step made exact
+    (:class:`ExactRandomFunctions`, kept on after the first step only where it found any to make
+    exact) and, on the job's first real training batch, what is left to differ with the world
+    size named in one line by rank 0 (:func:`inexact_layers`): the model's layers by their kind,
+    and every random aten op the step actually drew outside what is made exact (no example input
+    needed, none drawn at dropout 0 or in evaluation)."""
+
+    def __init__(self) -> None:
+        self.functions = ExactRandomFunctions()
+        self.checked = False  # the first batch ran and what it found was named
+        self.scope: ExitStack | None = None
+        self.ops: RandomOps | None = None
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.checked and not self.functions.calls_made_exact:
+            return  # nothing of the template's to run: torch's own functions, no mode
+        self.scope = ExitStack()
+        if not self.checked:  # the first step runs eagerly (compiled, ops are not seen) ...
+            self.scope.enter_context(torch.compiler.set_stance("force_eager"))
+            running = self.scope.enter_context(running_modules(pl_module))
+        self.scope.enter_context(self.functions)
+        if not self.checked:  # ... and under the op check
+            self.ops = self.scope.enter_context(RandomOps(running, self.functions))
+
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Tensor
+    ) -> None:
+        if pl_module.automatic_optimization:  # the forward is done (manual: the step isn't)
+            self.end_step(pl_module)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        self.end_step(pl_module)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        if self.scope is not None:
+            self.scope.close()
+            self.scope = None
+
+    def end_step(self, pl_module: L.LightningModule) -> None:
+        if self.scope is None:
+            return
+        self.scope.close()
+        self.scope = None
+        if not self.checked:
+            self.checked = True
+            names = {module: name for name, module in pl_module.named_modules()}
+            draws = {names[module]: op for module, op in self.ops.found.items()}
+            name_inexact_layers(pl_module, draws)
+            self.ops = None
+
+
+@rank_zero_only
+def name_inexact_layers(model: nn.Module, draws: dict[str, str] | None = None) -> None:
+    """One warning naming each layer of ``model`` left to differ with the world size
+    (:func:`inexact_layers`), by rank 0."""
+    if layers := inexact_layers(model, draws):
+        rank_zero_warn(
+            f"strategy.exact: {len(layers)} layer(s) train differently on N ranks than on one: "
+            f"{'; '.join(layers)} (docs/make-it-yours.md, step 2)"
+        )

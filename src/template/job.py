@@ -22,7 +22,7 @@ from src.template.config import (
     typed_keys,
 )
 from src.template.distributed import check_shardable
-from src.template.exact import make_exact, name_inexact_layers
+from src.template.exact import ExactTraining, make_exact
 from src.template.precision import model_init_context
 from src.template.resume import SeedEachBatch
 from src.template.settings import JobSettings
@@ -102,8 +102,8 @@ class TrainingJob:
         with as_config_error("model"), model_init_context(cfg.trainer.get("precision")):
             model = self.task.build_model(self.model_cfg, datamodule)
         check_shardable(cfg.strategy.name, model, self.task.sharded_blocks)  # the task's types
-        if cfg.strategy.exact:  # devices=N trains what devices=1 trains
-            name_inexact_layers(make_exact(model))
+        if cfg.strategy.exact:  # devices=N trains what devices=1 trains (and ExactTraining)
+            make_exact(model)
         if self.weights:
             checkpoint.load_weights(model, self.weights, Path(cfg.weights_from).name)
         if self.start.saved:
@@ -134,6 +134,7 @@ class TrainingJob:
         callbacks: list[Callback] = [
             *build_callbacks(cfg.callbacks, out, monitor=(self.task.monitor, self.task.mode)),
             SeedEachBatch(self.seed, per_rank=not cfg.strategy.exact),
+            *([ExactTraining()] if cfg.strategy.exact else []),  # checked on the first batch
             *run.training_callbacks(),
             checkpoint.JobRecord(recorded, checkpoint.job_overrides()),
         ]

@@ -44,6 +44,10 @@ pinned by ``tests/test_private.py``: an upgrade that changes one fails there, lo
   ``torch.nn.modules._functions.SyncBatchNorm``, which the global-batch BatchNorm
   (``src/template/exact.py``) applies on GPUs without taking the class ``nn.SyncBatchNorm``
   (whose modules are no ``nn.BatchNorm2d``: FSDP's sharded blocks name that class).
+* torch's schema of an aten op (``OpOverload._schema.arguments``: each argument's ``name``,
+  ``has_default_value()``, ``default_value``), by which the first-batch check of
+  ``src/template/exact.py`` reads a random op's ``dropout_p``, ``p`` or ``train`` (the CPU's
+  fused attention op is tagged random whatever its ``dropout_p``): :func:`op_arguments`.
 """
 
 from typing import Any
@@ -67,6 +71,7 @@ __all__ = [
     "forget_step_values",
     "forget_train_loader",
     "logged_as_tensor",
+    "op_arguments",
     "reset_window",
     "run_context_tags",
     "send_step_values",
@@ -127,3 +132,10 @@ def run_context_tags(tags: dict[str, str]) -> dict[str, str]:
     from mlflow.tracking.context.registry import resolve_tags  # mlflow loads slowly: not here
 
     return resolve_tags(tags)
+
+
+def op_arguments(op: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a call of aten op ``op`` by name, their defaults filled in."""
+    schema = op._schema.arguments
+    defaults = {arg.name: arg.default_value for arg in schema if arg.has_default_value()}
+    return defaults | {arg.name: value for arg, value in zip(schema, args, strict=False)} | kwargs

@@ -2,6 +2,7 @@
 (``src/template/``), as torchtitan's ``TrainSpec``: the machinery knows ranks, steps, checkpoints
 and runs; what is learned, from what data, and how it is judged, comes through here."""
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,27 @@ class ModelExport:
     model_type: str = ""
 
 
+# A keyword of Task renamed since: its old name -> its name now.
+RENAMED_FIELDS = {"predict_files": "predict_inputs"}
+
+
+def refusing_renamed_fields(cls: type) -> type:
+    """``cls`` whose constructor answers a renamed keyword with one line naming the new one,
+    instead of the dataclass's "unexpected keyword argument"."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        for old in sorted(kwargs.keys() & RENAMED_FIELDS.keys()):
+            new = RENAMED_FIELDS[old]
+            raise TypeError(f"Task({old}=...) is now Task({new}=...): rename it in src/task/")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = checked_init
+    return cls
+
+
+@refusing_renamed_fields
 @dataclass(frozen=True)
 class Task:
     """How to build and judge what a job learns. Every callable gets plain config values."""

@@ -33,7 +33,9 @@ class Block(nn.Module):
         batch, length, width = x.shape
         q, k, v = self.qkv(self.ln_1(x)).split(width, dim=2)
         q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # nanoGPT's attention dropout: exact on any number of ranks (strategy.exact)
+        dropout = self.dropout if self.training else 0.0
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
         return x + self.mlp(self.ln_2(x))
 
