@@ -257,8 +257,8 @@ SIGNAL_AT_STEP = PROJECT / "tests" / "signal_at_step"
 
 def signal_at_step(at: str) -> dict[str, str]:
     """``run_entry``'s ``env`` for a job whose rank 0 gets a real signal in a chosen training
-    step (``"14:SIGTERM"``): a stop at a known step, the job's config unchanged
-    (tests/signal_at_step)."""
+    step (``"14:SIGTERM"``), or in its test's first step (``"test:SIGTERM"``): a stop at a known
+    step, the job's config unchanged (tests/signal_at_step)."""
     path = os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)])
     return {"PYTHONPATH": path, "SIGNAL_AT_STEP": at}
 

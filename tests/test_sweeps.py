@@ -256,19 +256,21 @@ def test_a_killed_optuna_search_run_again_resumes_its_unfinished_trial(
 ) -> None:
     """Killed mid-trial (SIGKILL: the study keeps the trial RUNNING), the same command in the
     same folder resumes that trial in its folder from its step checkpoint, and tells the study
-    the value of an uninterrupted trial."""
-    # seed=7: the first trial draws data.batch_size=64, 5 steps an epoch on the tiny data.
+    the value of an uninterrupted trial: its val/acc_best, logged before the kill only."""
+    # seed=7: the first trial draws data.batch_size=64, 5 steps an epoch on the tiny data; it
+    # validates after step 5 only (max_steps=9).
     args = [
         *sweep_overrides(tiny_root),
         "hparams_search=convnet_optuna",
         "seed=7",
         "trainer.max_epochs=2",
+        "trainer.max_steps=9",
         "callbacks.checkpoint.every_n_train_steps=2",
         "hydra.sweeper.n_trials=1",
     ]
     (tmp_path / "ref").mkdir()  # its own optuna.db
     run_entry("train", "-m", *args, "hydra.sweep.dir=reference", cwd=tmp_path / "ref")
-    env = signal_at_step("9:SIGKILL")  # mid-epoch, after the step-8 checkpoint
+    env = signal_at_step("8:SIGKILL")  # in the last step, after the step-8 checkpoint
     killed = run_entry(
         "train", "-m", *args, "hydra.sweep.dir=sweep", cwd=tmp_path, check=False, env=env
     )
@@ -278,7 +280,9 @@ def test_a_killed_optuna_search_run_again_resumes_its_unfinished_trial(
     assert "Restored all states" in again.stderr
     assert not (tmp_path / "sweep" / "1").exists()
     reference = read_metrics(tmp_path / "ref" / "reference" / "0")
-    for key, value in read_metrics(tmp_path / "sweep" / "0").items():
+    resumed = read_metrics(tmp_path / "sweep" / "0")
+    assert resumed.keys() == reference.keys()
+    for key, value in resumed.items():
         assert value == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
     study = optuna.load_study(study_name="convnet-mnist", storage=f"sqlite:///{tmp_path}/optuna.db")
     (trial,) = study.trials

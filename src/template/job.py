@@ -24,7 +24,7 @@ from src.template.config import (
 from src.template.distributed import check_shardable
 from src.template.exact import ExactTraining, make_exact
 from src.template.precision import model_init_context
-from src.template.resume import SeedEachBatch
+from src.template.resume import LoggedSoFar, SeedEachBatch
 from src.template.settings import JobSettings
 from src.template.start import Start, where_to_start
 from src.template.task import Task
@@ -135,6 +135,7 @@ class TrainingJob:
             *build_callbacks(cfg.callbacks, out, monitor=(self.task.monitor, self.task.mode)),
             SeedEachBatch(self.seed, per_rank=not cfg.strategy.exact),
             *([ExactTraining()] if cfg.strategy.exact else []),  # checked on the first batch
+            LoggedSoFar(self.start.logged),
             *run.training_callbacks(),
             checkpoint.JobRecord(recorded, checkpoint.job_overrides()),
         ]
@@ -147,12 +148,13 @@ class TrainingJob:
             resumes=self.ckpt_path is not None,
         )
 
-    @staticmethod
-    def fitted_metrics(trainer: L.Trainer) -> dict[str, float]:
-        """The last value of each metric logged while fitting (not the step axis's keys)."""
-        return steps.without_position(
-            {name: float(value) for name, value in trainer.callback_metrics.items()}
-        )
+    def fitted_metrics(self, trainer: L.Trainer) -> dict[str, float]:
+        """The last value of each metric the job logged while fitting, also before a stop (not
+        the step axis's keys): what the uninterrupted job reports. Kept in ``job.json`` until
+        the job has its result: one stopped in its test resumes with them (start.py)."""
+        logged = next(c for c in trainer.callbacks if isinstance(c, LoggedSoFar)).record(trainer)
+        sweeps.record_job(self.output_dir, fitted=sweeps.fit_record(trainer.global_step, logged))
+        return logged
 
     @staticmethod
     def test(

@@ -1,12 +1,13 @@
 """Exact resume: a job stopped anywhere and resumed equals the uninterrupted job. The training
 order depends on (seed, epoch) only, the position comes from Lightning's loop state, a
-mid-epoch checkpoint carries the epoch's metric sums, and every step is seeded anew."""
+mid-epoch checkpoint carries the epoch's metric sums, every step is seeded anew, and every
+checkpoint carries the last value of each metric logged so far (the job's final record)."""
 
 import hashlib
 import random
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as L
@@ -17,6 +18,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 from torchmetrics import Metric
+
+from src.template.steps import without_position
 
 
 class GlobalBatchSampler(DistributedSampler):
@@ -114,6 +117,30 @@ class MidEpochState(Callback):
                         value = apply_to_collection(value, Tensor, Tensor.to, metrics[name].device)
                         setattr(metrics[name], key, value)
         self.loaded = {}
+
+
+LOGGED_SO_FAR = "logged_so_far"  # a checkpoint's key: the last value of each metric logged
+
+
+class LoggedSoFar(Callback):
+    """The last value of every metric the job has logged, in every checkpoint: a resumed process
+    logs only what it trains, so its final record (``metrics.json``, the value returned to
+    sweepers) takes those of earlier processes (a validation before the stop, the best so far)
+    from ``earlier``, the record it resumed with, under what it logs itself."""
+
+    def __init__(self, earlier: Mapping[str, float] | None = None) -> None:
+        self.earlier = dict(earlier or {})
+
+    def record(self, trainer: L.Trainer) -> dict[str, float]:
+        """What an uninterrupted job's ``trainer.callback_metrics`` would hold now (less the
+        step axis's keys): Lightning keeps the last value logged under each name."""
+        logged = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        return {**self.earlier, **without_position(logged)}
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint[LOGGED_SO_FAR] = self.record(trainer)
 
 
 def step_seed(seed: int, epoch: int, batch: int, rank: int) -> int:

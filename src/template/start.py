@@ -3,7 +3,7 @@
 process or folder content exists, and said in one line where it is not what the command reads
 as (docs/resuming.md)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from src.template import checkpoint, reporting, sweeps
+from src.template.resume import LOGGED_SO_FAR
 from src.template.settings import JobSettings
 from src.template.tracking import run
 
@@ -27,6 +28,7 @@ class Start:
     auto: bool = False  # ckpt_path=auto, asked for or implied by a job run again in its folder
     read_back: bool = False  # nothing left to train: ``result`` is the job's
     result: float | None = None
+    logged: dict[str, float] = field(default_factory=dict)  # the record it resumes with
 
 
 def where_to_start(cfg: DictConfig, settings: JobSettings, ran_before: bool) -> Start:
@@ -54,7 +56,10 @@ def where_to_start(cfg: DictConfig, settings: JobSettings, ran_before: bool) -> 
         reporting.remove_attempt_record()  # a folder Hydra made for nothing
         result = sweeps.finished_result(folder, cfg.optimized_metric)
         return Start(read_back=True, result=result)
-    return Start(ckpt_path, saved, finished_run, auto)
+    logged = saved.get(LOGGED_SO_FAR, {})  # as the checkpoint was written
+    if limit:  # stopped in its test, its fit ended: what all of that fit logged
+        logged = sweeps.fitted_record(folder, saved["global_step"]) or logged
+    return Start(ckpt_path, saved, finished_run, auto, logged=logged)
 
 
 def finished_job_run(

@@ -79,12 +79,27 @@ def earlier_run(output_dir: Path, ckpt_path: str | None) -> dict[str, Any] | Non
 
 
 @rank_zero_only
-def record_job(output_dir: Path, **result: float | None) -> None:
-    """Every job's overrides in its folder once it starts, and ``result=`` once it finished: run
-    again in its folder (:func:`same_job_again`), it resumes, or is not trained again; a finished
-    job is never reopened (:func:`job_finished`)."""
+def record_job(output_dir: Path, **entries: Any) -> None:
+    """Every job's overrides in its folder once it starts, ``fitted=`` once its fit ended
+    (:func:`fitted_record`), and ``result=`` once it finished: run again in its folder
+    (:func:`same_job_again`), it resumes, or is not trained again; a finished job is never
+    reopened (:func:`job_finished`)."""
     overrides = list(HydraConfig.get().overrides.task)
-    write_text_atomically(output_dir / JOB_FILE, json.dumps({"overrides": overrides, **result}))
+    write_text_atomically(output_dir / JOB_FILE, json.dumps({"overrides": overrides, **entries}))
+
+
+def fit_record(step: int, logged: dict[str, float]) -> dict[str, Any]:
+    """``record_job``'s ``fitted=``: the last value of each metric a fit logged, and its step."""
+    return {"step": step, "logged": logged}
+
+
+def fitted_record(folder: Path, step: int) -> dict[str, float] | None:
+    """What the fit of the job in ``folder`` logged, if it ended at ``step`` (kept until the job
+    has its result: one stopped in its test resumes with it). Its last checkpoint may hold less:
+    an epoch cut by ``max_steps`` logs at its end, after it."""
+    path = folder / JOB_FILE
+    record = json.loads(path.read_text()).get("fitted") if path.is_file() else None
+    return record["logged"] if record and record["step"] == step else None
 
 
 def job_finished(folder: Path) -> bool:

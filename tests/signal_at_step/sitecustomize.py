@@ -4,6 +4,7 @@ Put this folder on ``PYTHONPATH`` and set ``SIGNAL_AT_STEP=<global step>:<signal
 the task model's ``training_step`` (``TASK.model_class``) runs with ``global_step == <global
 step>`` on rank 0 (the launching process), that process gets the signal, as from ``kill
 -<signal> <pid>``. Stops then land at a known step instead of wherever a timer would put them.
+``SIGNAL_AT_STEP=test:<signal name>``: in the first step of the test (``test_step``) instead.
 
 ``PAUSE_IN_SETUP=<seconds>``: every rank sleeps that long in the model's ``setup`` (a first
 SLURM attempt only, not a requeued one), so a test can signal a job that has opened its run
@@ -50,14 +51,16 @@ def pause_in_setup(module, seconds: float) -> None:
 
 
 def signal_at_step(module, step: str, name: str) -> None:
-    original = module.TASK.model_class.training_step
+    hook = "test_step" if step == "test" else "training_step"
+    original = getattr(module.TASK.model_class, hook)
 
-    def training_step(self, batch, batch_idx):
-        if self.trainer.global_rank == 0 and self.global_step == int(step):
+    def signalled_step(self, batch, batch_idx):
+        at = batch_idx == 0 if step == "test" else self.global_step == int(step)
+        if self.trainer.global_rank == 0 and at:
             os.kill(os.getpid(), signal.Signals[name])
         return original(self, batch, batch_idx)
 
-    module.TASK.model_class.training_step = training_step
+    setattr(module.TASK.model_class, hook, signalled_step)
 
 
 if any(os.environ.get(name) for name in ("SIGNAL_AT_STEP", "PAUSE_IN_SETUP", "SLEEP_PER_STEP")):
