@@ -23,6 +23,7 @@ from tests.conftest import (
     only_run,
     tiny_overrides,
 )
+from tests.local_servers import free_service_port
 from tests.test_distributed import launch_together
 from tests.test_server import (
     ADMIN_PASSWORD,
