@@ -103,8 +103,8 @@ def authenticate() -> Authorization | Response:
         g.tracking_sign_in = sign_in()
         if isinstance(g.tracking_sign_in, Authorization):
             after_this_request(internal_error_withheld)
-            g.tracking_sign_in = artifact_refusal() or g.tracking_sign_in
             username = g.tracking_sign_in.username
+            g.tracking_sign_in = artifact_refusal() or g.tracking_sign_in
             if isinstance(g.tracking_sign_in, Authorization) and not is_admin(username):
                 g.tracking_sign_in = account_refusal(username) or g.tracking_sign_in
                 if any(route in request.path for route in VERSION_ANSWERS):
