@@ -37,7 +37,13 @@ from typing import Any
 
 import psutil
 
-from tests.local_servers import free_port, let_the_service_user_reach, moto_s3, wait_for_port
+from tests.local_servers import (
+    free_port,
+    free_service_port,
+    let_the_service_user_reach,
+    moto_s3,
+    wait_for_port,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -97,7 +103,7 @@ def postgresql_service(workdir: Path, s3: dict[str, str], workers: int) -> Itera
     parent = Path(tempfile.mkdtemp(prefix="tracking-load-service-"))
     parent.chmod(0o711)
     data = parent / "service"
-    port = free_port()
+    port = free_service_port()  # as root, one under 1024 (tracking.sh refuses others)
     env = {
         **os.environ,
         **s3,

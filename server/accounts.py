@@ -1,5 +1,7 @@
-"""server/tracking.sh's account commands, signed in to the service as the admin through its REST
-API (docs/tracking-server.md: Accounts):
+"""server/tracking.sh's account commands, written into the accounts' database through MLflow's own
+store of accounts (docs/tracking-server.md: Accounts). They do not sign in to the service: no
+wrong password of a local user, counted against the address they share, can refuse them, and they
+need no password (PostgreSQL's socket is root's and the service's user's only):
 
     python server/accounts.py add-user NAME
     python server/accounts.py grant NAME EXPERIMENT READ|EDIT|MANAGE|NONE
@@ -7,9 +9,9 @@ API (docs/tracking-server.md: Accounts):
 
 ``others`` is every account without a permission of its own on the experiment, now and added
 later: the private experiments are kept in the accounts' database, and add-user denies each new
-account every one of them. tracking.sh gives the settings: TRACKING_URL, ACCOUNTS_DATABASE,
-MLflow's sign-in variables (the admin's), TRACKING_USER_PASSWORD (add-user: the new account's
-password; else a random one, printed once).
+account every one of them. tracking.sh gives the settings: TRACKING_URL (for the messages),
+ACCOUNTS_DATABASE, RUNS_DATABASE, TRACKING_USER_PASSWORD (add-user: the new account's password;
+else a random one, printed once).
 """
 
 import contextlib
@@ -18,10 +20,9 @@ import secrets
 import sys
 
 import sqlalchemy
-from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
-from mlflow.server.auth.client import AuthServiceClient
-from mlflow.server.auth.routes import LIST_USER_PERMISSIONS, LIST_USERS
+from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore as AccountsStore
+from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore as RunsStore
 
 OTHERS = "others"  # not an account: every account without a permission of its own
 # grant's words for MLflow's permissions: NONE vetoes even reading (MLflow's DENY)
@@ -37,7 +38,7 @@ def private_experiments() -> sqlalchemy.Engine:
     return engine
 
 
-def add_user(accounts: AuthServiceClient, url: str, name: str) -> None:
+def add_user(accounts: AccountsStore, url: str, name: str) -> None:
     if name == OTHERS:
         sys.exit(f"Error: {OTHERS} is the name grant gives every other account: choose another")
     chosen = os.environ.get("TRACKING_USER_PASSWORD")
@@ -46,7 +47,7 @@ def add_user(accounts: AuthServiceClient, url: str, name: str) -> None:
     with private_experiments().begin() as db:
         closed = db.execute(sqlalchemy.text(f"SELECT id FROM {PRIVATE}")).scalars().all()
     for experiment_id in closed:
-        accounts.grant_user_permission(name, "experiment", experiment_id, PERMISSIONS["NONE"])
+        accounts.create_experiment_permission(experiment_id, name, PERMISSIONS["NONE"])
     print(
         f"Account {name} created on {url} (it may create experiments of its own and read others' "
         "that are not private; to write into another's: grant)."
@@ -55,27 +56,26 @@ def add_user(accounts: AuthServiceClient, url: str, name: str) -> None:
         print(f"Its password (shown once, give it to {name}): {password}")
 
 
-def own_permission(accounts: AuthServiceClient, name: str, experiment_id: str) -> str | None:
+def own_permission(accounts: AccountsStore, name: str, experiment_id: str) -> str | None:
     """The permission ``name`` was given on the experiment itself (None: the default's)."""
-    rows = accounts._request(LIST_USER_PERMISSIONS, "GET", params={"username": name})
-    for row in rows["permissions"]:
-        if row["resource_type"] == "experiment" and row["resource_pattern"] == experiment_id:
-            return row["permission"]
-    return None
+    try:
+        return accounts.get_experiment_permission(experiment_id, name).permission
+    except MlflowException:
+        return None
 
 
-def give(accounts: AuthServiceClient, name: str, experiment_id: str, permission: str) -> None:
+def give(accounts: AccountsStore, name: str, experiment_id: str, permission: str) -> None:
     """``name``'s permission on the experiment becomes ``permission`` (one given is replaced)."""
+    accounts.get_user(name)  # an account that does not exist is named
     with contextlib.suppress(MlflowException):  # none given yet
-        accounts.revoke_user_permission(name, "experiment", experiment_id)
-    accounts.grant_user_permission(name, "experiment", experiment_id, permission)
+        accounts.delete_experiment_permission(experiment_id, name)
+    accounts.create_experiment_permission(experiment_id, name, permission)
 
 
-def set_others(accounts: AuthServiceClient, experiment_id: str, permission: str) -> None:
+def set_others(accounts: AccountsStore, experiment_id: str, permission: str) -> None:
     """NONE: every account without a permission of its own may not read the experiment, nor any
     account added later; READ: every account denied it may read it again (MLflow's default)."""
-    users = accounts._request(LIST_USERS, "GET")["users"]
-    names = [user["username"] for user in users if not user["is_admin"]]
+    names = [user.username for user in accounts.list_users() if not user.is_admin]
     marked = (
         f"INSERT INTO {PRIVATE} VALUES (:id) ON CONFLICT DO NOTHING"
         if permission == "NONE"
@@ -88,11 +88,12 @@ def set_others(accounts: AuthServiceClient, experiment_id: str, permission: str)
         if permission == "NONE" and held is None:
             give(accounts, name, experiment_id, PERMISSIONS["NONE"])
         elif permission == "READ" and held == PERMISSIONS["NONE"]:
-            accounts.revoke_user_permission(name, "experiment", experiment_id)
+            accounts.delete_experiment_permission(experiment_id, name)
 
 
-def grant(accounts: AuthServiceClient, url: str, name: str, experiment: str, permission: str):
-    found = MlflowClient(url).get_experiment_by_name(experiment)
+def grant(accounts: AccountsStore, url: str, name: str, experiment: str, permission: str):
+    runs = RunsStore(os.environ["RUNS_DATABASE"], "mlflow-artifacts:/")
+    found = runs.get_experiment_by_name(experiment)
     if found is None:
         sys.exit(f"Error: {url} has no experiment {experiment}: give the name jobs log into")
     if name == OTHERS:
@@ -111,7 +112,8 @@ def grant(accounts: AuthServiceClient, url: str, name: str, experiment: str, per
 
 def main(argv: list[str]) -> None:
     url = os.environ["TRACKING_URL"]
-    accounts = AuthServiceClient(url)
+    accounts = AccountsStore()
+    accounts.init_db(os.environ["ACCOUNTS_DATABASE"])
     try:
         if argv[0] == "add-user":
             add_user(accounts, url, argv[1])
@@ -119,7 +121,7 @@ def main(argv: list[str]) -> None:
             grant(accounts, url, *argv[1:4])
     except MlflowException as error:
         what = "account" if argv[0] == "add-user" else "grant"
-        sys.exit(f"Error: the server refused the {what}: {error.message.splitlines()[0]}")
+        sys.exit(f"Error: the {what} was refused: {error.message.splitlines()[0]}")
 
 
 if __name__ == "__main__":

@@ -19,15 +19,17 @@
 #   TRACKING_DATA       folder of the database, keys, certificates and logs (as root:
 #                       /var/lib/mlflow-tracking; otherwise $HOME/mlflow-tracking)
 #   TRACKING_HOST       the name clients reach this machine by (hostname -f)
-#   TRACKING_PORT       the HTTPS port clients use (8443)
-#   TRACKING_ARTIFACTS  where artifacts go, s3://bucket/prefix (required)
+#   TRACKING_PORT       the HTTPS port clients use (443; started as root, one under 1024: a
+#                       port any local user may bind could be taken while caddy restarts)
+#   TRACKING_ARTIFACTS  where artifacts go, s3://bucket/prefix (required; a bucket, not a folder
+#                       of this machine)
 #   MLFLOW_S3_ENDPOINT_URL, AWS_*: the bucket's endpoint and credentials, for the server only
 #   TRACKING_WORKERS    mlflow server worker processes (4)
 #   TRACKING_SERVICE_USER  started as root: the system user the service runs as (mlflow-tracking,
 #                       made if missing); started by another user, the service is that user's
 #   PG_BIN              the folder of PostgreSQL's programs (Debian's newest)
-#   MLFLOW_AUTH_ADMIN_PASSWORD  the admin's password (12+ characters); needed by the first start,
-#                       add-user and grant; never written to a file, never given to the service
+#   MLFLOW_AUTH_ADMIN_PASSWORD  the admin's password (12+ characters); needed by the first start
+#                       only; never written to a file, never given to the service
 #   TRACKING_USER_PASSWORD  add-user: the new account's password (default: a random one)
 set -euo pipefail
 umask 077 # every file this script writes is its owner's only
@@ -37,7 +39,7 @@ if [ "$(id -u)" = 0 ]; then DEFAULT_DATA=/var/lib/mlflow-tracking; else DEFAULT_
 DATA=${TRACKING_DATA:-$DEFAULT_DATA}
 SERVICE_USER=${TRACKING_SERVICE_USER:-mlflow-tracking}
 HOST=${TRACKING_HOST:-$(hostname -f)}
-PORT=${TRACKING_PORT:-8443}
+PORT=${TRACKING_PORT:-443}
 WORKERS=${TRACKING_WORKERS:-4}
 # PostgreSQL's programs: Debian's newest (apt-get install postgresql), or PG_BIN
 PG_BIN=${PG_BIN:-$(find /usr/lib/postgresql -path '*/bin/postgres' 2>/dev/null | sort -V | tail -1 | xargs -r dirname || true)}
@@ -61,11 +63,12 @@ is_root() {
 
 # Started as root, the service's programs and files are its own user's (switched to as systemd's
 # User= does, by setpriv: no process in between); otherwise the caller's. With EXEC=exec, the
-# command takes this shell's place.
+# command takes this shell's place; CAPS: capabilities it keeps (setpriv's options).
 as_service() {
     if is_root; then
+        # shellcheck disable=SC2086 # CAPS: setpriv's options, one word each
         ${EXEC:-} setpriv --reuid="$(id -u "$SERVICE_USER")" --regid="$(id -g "$SERVICE_USER")" \
-            --init-groups env HOME="$DATA" "$@"
+            --init-groups ${CAPS:-} env HOME="$DATA" "$@"
     else
         ${EXEC:-} "$@"
     fi
@@ -89,17 +92,49 @@ origin() {
 # The one place a setting lands in a file: $DATA/settings.env (no secrets), read back by `run`,
 # `stop`, `status` and `add-user`, so they act on the service `start` created.
 save_settings() {
-    printf 'HOST=%q\nPORT=%q\nWORKERS=%q\nARTIFACTS=%q\n' "$HOST" "$PORT" "$WORKERS" "$ARTIFACTS" \
+    check_settings
+    printf 'HOST=%s\nPORT=%s\nWORKERS=%s\nARTIFACTS=%s\n' "$HOST" "$PORT" "$WORKERS" "$ARTIFACTS" \
         | private_file "$DATA/settings.env"
 }
 
+# settings.env is the service's user's file, read by root's shell: read as data, never sourced
+# (a line of it would run as root), each value checked before sed puts it into a configuration.
 load_settings() {
     if [ -d "$DATA" ] && ! [ -x "$DATA" ]; then
         die "$DATA belongs to the service's user $(stat -c %U "$DATA"): run this command as root (sudo -E bash server/tracking.sh ...)"
     fi
     [ -f "$DATA/settings.env" ] || die "no tracking service in $DATA: run 'bash server/tracking.sh start' (or set TRACKING_DATA to its folder)"
-    # shellcheck source=/dev/null
-    . "$DATA/settings.env"
+    local line name
+    while IFS= read -r line || [ -n "$line" ]; do
+        name=${line%%=*}
+        case "$name" in
+        HOST | PORT | WORKERS | ARTIFACTS) printf -v "$name" '%s' "${line#*=}" ;;
+        *) die "$DATA/settings.env has a line that is not HOST, PORT, WORKERS or ARTIFACTS=value: remove it" ;;
+        esac
+    done <"$DATA/settings.env"
+    check_settings
+}
+
+check_settings() {
+    [[ $HOST =~ ^[A-Za-z0-9.-]+$ ]] || die "the host name '$HOST' is not one (letters, digits, dots, dashes): set TRACKING_HOST, or edit $DATA/settings.env"
+    [[ $PORT =~ ^[1-9][0-9]{0,4}$ ]] || die "the port '$PORT' is not a number: set TRACKING_PORT, or edit $DATA/settings.env"
+    [[ $WORKERS =~ ^[1-9][0-9]{0,2}$ ]] || die "TRACKING_WORKERS '$WORKERS' is not a number of workers, or edit $DATA/settings.env"
+    check_artifacts "$ARTIFACTS"
+}
+
+# A bucket (s3://, gs://, ...), never a folder of this machine: a local user's folder there would
+# let the server follow that user's links into its own files.
+check_artifacts() {
+    [[ $1 =~ ^(s3|gs|wasbs|abfss|oci|hdfs)://[A-Za-z0-9._-]+(/[A-Za-z0-9._/-]*)?$ ]] \
+        || die "TRACKING_ARTIFACTS=$1 is not a bucket: set it to the bucket the server keeps artifacts in, e.g. TRACKING_ARTIFACTS=s3://team-bucket/mlflow (a folder of this machine is refused: the server would follow a local user's links there into its own files)"
+}
+
+# Started as root, caddy's port is one only root may bind (under 1024): a port any local user may
+# bind could be taken while caddy restarts, and the service kept down.
+check_port_is_privileged() {
+    local unprivileged
+    unprivileged=$(cat /proc/sys/net/ipv4/ip_unprivileged_port_start 2>/dev/null || echo 1024)
+    [ "$PORT" -lt "$unprivileged" ] || die "port $PORT may be bound by any local user (this machine lets every user bind ports from $unprivileged up), who could take it while caddy restarts: choose a port under $unprivileged, e.g. TRACKING_PORT=443 (kept from the first start: stop, edit $DATA/settings.env, start)"
 }
 
 # A data folder made before the service had a user and a socket of its own (MLflow on a TCP
@@ -142,6 +177,8 @@ check_data_owner() {
 # First start only, before anything is made: what it needs from this shell.
 check_first_start_settings() {
     [ -n "${TRACKING_ARTIFACTS:-}" ] || die "TRACKING_ARTIFACTS is not set: set it to the bucket the server keeps artifacts in, e.g. TRACKING_ARTIFACTS=s3://team-bucket/mlflow"
+    check_artifacts "$TRACKING_ARTIFACTS"
+    if is_root; then check_port_is_privileged; fi
     local admin_password=${MLFLOW_AUTH_ADMIN_PASSWORD:-}
     [ "${#admin_password}" -ge 12 ] || die "MLFLOW_AUTH_ADMIN_PASSWORD is not set or under 12 characters: set the admin's password in the environment of the first start (it is never written to a file)"
     check_bucket_credentials "$TRACKING_ARTIFACTS"
@@ -188,13 +225,18 @@ undo_create() {
 }
 
 # The configuration files, rewritten at each start from settings.env and the templates here.
+# PostgreSQL: peer authentication, root and the service's user as MLflow's role only (no one signs
+# in as the cluster's superuser after the first start).
 render() {
+    printf 'local all all peer map=tracking\n' | private_file "$DATA/postgres/pg_hba.conf"
+    printf 'tracking %s mlflow\n' root "$(as_service id -un)" | private_file "$DATA/postgres/pg_ident.conf"
     sed -e "s|@DATABASE@|$(database_uri mlflow_auth)|" "$SERVER_DIR/basic_auth.ini" \
         | private_file "$DATA/basic_auth.ini"
     sed -e "s|@HOST@|$HOST|g" -e "s|@PORT@|$PORT|g" -e "s|@ORIGIN@|$(origin)|g" \
         -e "s|@SOCKETS@|$SOCKETS|g" "$SERVER_DIR/Caddyfile" | private_file "$DATA/Caddyfile"
     sed -e "s|@DATA@|$DATA|g" -e "s|@SOCKETS@|$SOCKETS|g" -e "s|@PG_BIN@|$PG_BIN|g" \
         -e "s|@CADDY@|$(command -v caddy)|g" -e "s|@SERVER_DIR@|$SERVER_DIR|g" \
+        -e "s|@SETPRIV@|$(command -v setpriv)|g" \
         "$SERVER_DIR/supervisord.conf" | private_file "$SUPERVISOR_CONF"
 }
 
@@ -231,6 +273,7 @@ prepare() {
     if [ -f "$DATA/settings.env" ]; then
         if is_root; then check_data_owner; fi
         load_settings
+        if is_root; then check_port_is_privileged; fi
         say_kept_settings
         check_bucket_credentials "$ARTIFACTS"
     else
@@ -255,6 +298,8 @@ supervise() {
         esac
     done
     local supervisord=(env "${unset[@]}" HOME="$DATA" TRACKING_DATA="$DATA" "$(command -v supervisord)" -c "$SUPERVISOR_CONF")
+    # caddy's privileged port: the capability to bind it (PostgreSQL and MLflow drop it)
+    local CAPS="--inh-caps=+net_bind_service --ambient-caps=+net_bind_service"
     if [ "${1:-}" = foreground ]; then
         EXEC=exec as_service "${supervisord[@]}" -n
     fi
@@ -275,6 +320,7 @@ serve_mlflow() {
     export PYTHONPATH=$SERVER_DIR${PYTHONPATH:+:$PYTHONPATH} # tracking_auth, the sign-in it loads
     export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false          # tracking only: no GenAI job runners
     export MLFLOW_CREATE_MODEL_VERSION_SOURCE_VALIDATION_REGEX=$MODEL_VERSION_SOURCES
+    export MLFLOW_BASIC_AUTH_FAIL_CLOSED=true # a route without a permission rule: 403
     exec mlflow server --workers "$WORKERS" \
         --backend-store-uri "$(database_uri mlflow)" \
         --artifacts-destination "$ARTIFACTS" \
@@ -288,7 +334,7 @@ wait_until_up() {
     local deadline=$((SECONDS + 120))
     until [ -f "$CA_CERT" ] && curl -sf --cacert "$CA_CERT" -o /dev/null "https://$HOST:$PORT/health"; do
         if [ $SECONDS -ge $deadline ]; then
-            supervisorctl -c "$SUPERVISOR_CONF" status >&2 || true
+            control status >&2 || true
             die "the service did not answer https://$HOST:$PORT/health in 120 s: see $DATA/logs"
         fi
         # caddy makes its certificate authority at its first start; clients get a copy of its root,
@@ -301,8 +347,13 @@ wait_until_up() {
     done
 }
 
+# supervisorctl, as the service's user: its configuration is that user's file, not read by root.
+control() {
+    as_service supervisorctl -c "$SUPERVISOR_CONF" "$@"
+}
+
 running() {
-    [ -S "$SOCKETS/supervisor.sock" ] && supervisorctl -c "$SUPERVISOR_CONF" pid >/dev/null 2>&1
+    [ -S "$SOCKETS/supervisor.sock" ] && control pid >/dev/null 2>&1
 }
 
 start() {
@@ -327,24 +378,22 @@ stop() {
     load_settings
     local pid
     pid=$(cat "$DATA/supervisord.pid" 2>/dev/null || true)
-    if [ -z "$pid" ] || ! kill -0 "$pid" 2>/dev/null; then
+    if ! [[ $pid =~ ^[1-9][0-9]*$ ]] || ! kill -0 "$pid" 2>/dev/null; then
         echo "Not running."
         return
     fi
-    supervisorctl -c "$SUPERVISOR_CONF" shutdown >/dev/null
+    control shutdown >/dev/null
     while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
     echo "Stopped (the data stays in $DATA)."
 }
 
-# server/accounts.py COMMAND, signed in to the service as the admin. Passwords travel in the
-# environment, never on a command line (ps shows those).
+# server/accounts.py COMMAND, on the accounts' database through PostgreSQL's socket (root's and
+# the service's user's only): no sign-in to the service, which local users' wrong passwords could
+# refuse. A password travels in the environment, never on a command line (ps shows those).
 accounts() {
-    [ -n "${MLFLOW_AUTH_ADMIN_PASSWORD:-}" ] || die "MLFLOW_AUTH_ADMIN_PASSWORD is not set: $1 signs in as the admin; set it in the environment"
     load_settings
-    MLFLOW_TRACKING_USERNAME=admin MLFLOW_TRACKING_PASSWORD=$MLFLOW_AUTH_ADMIN_PASSWORD \
-        MLFLOW_TRACKING_SERVER_CERT_PATH=$CA_CERT TRACKING_URL="https://$HOST:$PORT" \
-        ACCOUNTS_DATABASE=$(database_uri mlflow_auth) \
-        python -W ignore "$SERVER_DIR/accounts.py" "$@"
+    TRACKING_URL="https://$HOST:$PORT" ACCOUNTS_DATABASE=$(database_uri mlflow_auth) \
+        RUNS_DATABASE=$(database_uri mlflow) python -W ignore "$SERVER_DIR/accounts.py" "$@"
 }
 
 add_user() {
@@ -373,12 +422,13 @@ database_sockets() {
 # Both databases (runs, accounts) while the service runs, for `restore`. The accounts' dump
 # holds password hashes: the files are the owner's only; a failed dump leaves the last one.
 backup() {
-    local folder=$1 database
+    local folder=$1 database role=mlflow
     [ -n "$folder" ] || die "backup needs a folder: bash server/tracking.sh backup FOLDER"
     load_settings
+    [ -d "$SOCKETS" ] || role=postgres # an earlier layout's (local trust)
     mkdir -p "$folder"
     for database in mlflow mlflow_auth; do
-        "$PG_BIN/pg_dump" -h "$(database_sockets)" -U postgres -Fc -f "$folder/$database.dump.tmp" "$database"
+        "$PG_BIN/pg_dump" -h "$(database_sockets)" -U "$role" -Fc -f "$folder/$database.dump.tmp" "$database"
         mv "$folder/$database.dump.tmp" "$folder/$database.dump"
     done
     echo "Backed up to $folder/mlflow.dump and $folder/mlflow_auth.dump (the artifacts are in $ARTIFACTS)."
@@ -392,14 +442,14 @@ restore() {
     [ -n "$folder" ] || die "restore needs the folder of a backup: bash server/tracking.sh restore FOLDER"
     [ -f "$folder/mlflow.dump" ] && [ -f "$folder/mlflow_auth.dump" ] || die "$folder holds no backup (mlflow.dump and mlflow_auth.dump): give the folder 'backup' wrote"
     load_settings
-    supervisorctl -c "$SUPERVISOR_CONF" status postgres >/dev/null 2>&1 || die "the service is not running: bash server/tracking.sh start, then restore"
-    supervisorctl -c "$SUPERVISOR_CONF" stop mlflow >/dev/null
+    control status postgres >/dev/null 2>&1 || die "the service is not running: bash server/tracking.sh start, then restore"
+    control stop mlflow >/dev/null
     for database in mlflow mlflow_auth; do
         "$PG_BIN/pg_restore" -h "$SOCKETS" -U mlflow --no-owner --clean --if-exists \
             --single-transaction -d "$database" "$folder/$database.dump" \
             || die "restoring $database failed (above); the server stays stopped: fix the cause and run restore again"
     done
-    supervisorctl -c "$SUPERVISOR_CONF" start mlflow >/dev/null || die "the server did not start: see $DATA/logs/mlflow.log"
+    control start mlflow >/dev/null || die "the server did not start: see $DATA/logs/mlflow.log"
     wait_until_up
     echo "Restored $folder into https://$HOST:$PORT (the accounts and passwords are the backup's)."
 }
@@ -408,10 +458,10 @@ restore() {
 # database migrates itself when the server starts), with the server stopped meanwhile.
 upgrade() {
     load_settings
-    supervisorctl -c "$SUPERVISOR_CONF" stop mlflow >/dev/null
-    PYTHONWARNINGS=ignore mlflow db upgrade "$(database_uri mlflow)" \
+    control stop mlflow >/dev/null
+    PYTHONWARNINGS=ignore as_service mlflow db upgrade "$(database_uri mlflow)" \
         || die "the database migration failed (above); the server stays stopped: restore the backup into it (docs/tracking-server.md), or fix the cause and run upgrade again"
-    supervisorctl -c "$SUPERVISOR_CONF" start mlflow >/dev/null \
+    control start mlflow >/dev/null \
         || die "the upgraded server did not start: see $DATA/logs/mlflow.log"
     wait_until_up
     echo "Upgraded: mlflow $(mlflow --version | awk '{print $NF}') serves https://$HOST:$PORT."
@@ -420,7 +470,7 @@ upgrade() {
 case "${1:-}" in
 start) start ;;
 stop) stop ;;
-status) load_settings && supervisorctl -c "$SUPERVISOR_CONF" status ;;
+status) load_settings && control status ;;
 add-user) add_user "${2:-}" ;;
 grant) grant "${2:-}" "${3:-}" "${4:-}" ;;
 backup) backup "${2:-}" ;;

@@ -1,7 +1,9 @@
 """Servers the tests and the tracking benchmark start on this machine: a free port for each, and
 moto's S3 server (a dev dependency), stopped with its whole process group."""
 
+import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,6 +19,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_service_port() -> int:
+    """A free port for server/tracking.sh's caddy: as root, one under 1000 (tracking.sh refuses
+    a port any local user may bind), drawn at random so that parallel runs seldom meet."""
+    if os.getuid() != 0:
+        return free_port()
+    for port in random.sample(range(600, 1000), 400):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("", port))
+            return port
+    raise RuntimeError("no free port under 1000")
 
 
 def wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 60) -> None:

@@ -41,7 +41,12 @@ from mlflow.server.auth.client import AuthServiceClient
 
 from src.template.tracking.store import TrackingError, prepare_store
 from tests.conftest import PROJECT, files_holding, one_error_line, run_entry, tiny_overrides
-from tests.local_servers import SERVICE_USER, let_the_service_user_reach, moto_s3
+from tests.local_servers import (
+    SERVICE_USER,
+    free_service_port,
+    let_the_service_user_reach,
+    moto_s3,
+)
 from tests.test_readme import arguments, override, shown
 
 SCRIPT = PROJECT / "server" / "tracking.sh"
@@ -296,12 +301,31 @@ def as_unit_user(unit: Path, env: dict[str, str]) -> dict[str, Any]:
     return {"user": user, "group": user, "extra_groups": [], "env": env}
 
 
+def with_unit_capabilities(unit: Path, command: list[str]) -> list[str]:
+    """``command`` as the unit's ``User=`` with its ``AmbientCapabilities=`` (caddy's privileged
+    port), as systemd starts it (root here): the same switch, by setpriv."""
+    if os.getuid() != 0:
+        return command
+    (user,) = unit_settings(unit, "User")
+    caps = [
+        f"+{cap.lower().removeprefix('cap_')}"
+        for value in unit_settings(unit, "AmbientCapabilities")
+        for cap in value.split()
+    ]
+    given = [f"--inh-caps={','.join(caps)}", f"--ambient-caps={','.join(caps)}"] if caps else []
+    switch = [f"--reuid={user}", f"--regid={user}", "--init-groups"]
+    return ["setpriv", *switch, *given, *command]
+
+
 def assert_the_units_command_serves_until_sigterm(env: dict[str, str], url: str, cert: str) -> None:
     """What systemd does with the unit: run its ExecStart as its user (supervisord in the
     foreground, on the data the first start made) and, to stop it, SIGTERM that process
     (KillMode=mixed): all of the service ends."""
+    arguments = as_unit_user(UNIT, env)
+    for switch in ("user", "group", "extra_groups"):
+        arguments.pop(switch, None)  # setpriv switches, as systemd does
     service = subprocess.Popen(
-        unit_command(UNIT), stdout=subprocess.DEVNULL, **as_unit_user(UNIT, env)
+        with_unit_capabilities(UNIT, unit_command(UNIT)), stdout=subprocess.DEVNULL, **arguments
     )
     try:
         deadline = time.monotonic() + 90
@@ -432,7 +456,7 @@ def service() -> Iterator[Service]:
             data,
             **bucket,
             MLFLOW_S3_ENDPOINT_URL=bucket["AWS_ENDPOINT_URL"],
-            TRACKING_PORT=str(free_port()),
+            TRACKING_PORT=str(free_service_port()),
             TRACKING_ARTIFACTS="s3://team/mlflow",
             TRACKING_WORKERS="2",
             MLFLOW_AUTH_ADMIN_PASSWORD=ADMIN_PASSWORD,
@@ -477,12 +501,24 @@ for attempt in ("connect", "bind"):
 """
 
 
+# Bind TCP port argv[1] on every address: what it raised ("ok" if nothing).
+TAKE_PORT = """
+import socket, sys
+try:
+    socket.socket().bind(("", int(sys.argv[1])))
+    print("ok")
+except OSError as error:
+    print(type(error).__name__)
+"""
+
+
 @pytest.mark.slow
 @SHARED
 def test_no_local_user_reaches_mlflow_or_takes_its_place(service: Service) -> None:
     """MLflow listens on no TCP port but a Unix socket in a folder only the service's user
     enters: another local user can neither send it requests nor, while it is down (a crash, an
-    upgrade, a restore), bind its place and receive every client's password."""
+    upgrade, a restore), bind its place and receive every client's password. caddy's port is a
+    privileged one: no local user binds it while caddy restarts either."""
     assert "MLFLOW_PORT" not in (service.data / "settings.env").read_text()
     mlflow = group(program_pids(service.env)["mlflow"])
     assert mlflow and all(p.username() == SERVICE_USER for p in mlflow)
@@ -498,6 +534,11 @@ def test_no_local_user_reaches_mlflow_or_takes_its_place(service: Service) -> No
         assert as_nobody(TAKE_SOCKET, str(place)) == refused, "nor while MLflow is down"
     finally:
         service.supervisorctl("start", "mlflow")
+    service.supervisorctl("stop", "caddy")
+    try:
+        assert as_nobody(TAKE_PORT, str(service.port)) == ["PermissionError"]
+    finally:
+        service.supervisorctl("start", "caddy")
     wait_until_it_answers(service.url, service.cert)
 
 
@@ -604,49 +645,60 @@ PROBE = "/api/2.0/mlflow/experiments/search?max_results=1"
 
 @pytest.mark.slow
 @SHARED
-def test_wrong_passwords_are_limited_per_account_and_per_address(service: Service) -> None:
-    """Past the limits of server/basic_auth.ini, sign-ins of the account (from any address) or
-    from the address (for any account) are refused with HTTP 429 until the window ends, the
-    right password too; other accounts and addresses are not. A wrong password for a name no
-    account has takes as long as for a real account's."""
+def test_wrong_passwords_are_limited_per_account_and_address_and_per_address(
+    service: Service,
+) -> None:
+    """Past the limits of server/basic_auth.ini, sign-ins of an account from one address, or of
+    the accounts that never signed in from an address, from that address, are refused with
+    HTTP 429 until the window ends, the right password too; the account from another address,
+    and an account that signed in from that address before, are not (no one locks another out).
+    Credentials that are not Basic ones are counted too. A wrong password for a name no account
+    has takes as long as for a real account's."""
     limits = configparser.ConfigParser()
     limits.read(PROJECT / "server" / "basic_auth.ini")
-    per_account = limits.getint("tracking", "wrong_passwords_per_account")
+    per_pair = limits.getint("tracking", "wrong_passwords_per_account_and_address")
     per_address = limits.getint("tracking", "wrong_passwords_per_address")
-    service.account("dana", "dana-pass-2468")
+    dana = ("dana", "dana-pass-2468")
+    service.account(*dana)
     known, unknown = [], []
     for attempt in range(6):
         known.append(sign_in_seconds(service, "127.0.0.2", ("dana", f"guess-{attempt}")))
         unknown.append(sign_in_seconds(service, "127.0.0.2", (f"nobody{attempt}", "guess")))
     ratio = statistics.median(known) / statistics.median(unknown)
     assert 1 / 3 < ratio < 3, f"known {known}, unknown {unknown}"
-    for attempt in range(6, per_account):
-        assert request_from(service, "127.0.0.3", PROBE, ("dana", f"guess-{attempt}"))[0] == 401
-    for source in ("127.0.0.3", "127.0.0.4"):
-        status, _, body = request_from(service, source, PROBE, ("dana", "dana-pass-2468"))
-        assert status == 429, body
-        wait = re.fullmatch(
-            r"Too many wrong passwords for this account or from this address: sign-ins are "
-            r"refused for (\d+) s more \(docs/tracking-server.md: Threat model\)\n",
-            body,
-        )
-        assert wait and 0 < int(wait[1]) <= limits.getint("tracking", "window_s"), body
-    with service.client("dana", "dana-pass-2468"), pytest.raises(TrackingError) as job:
-        prepare_store(service.url, "mnist")  # what dana's job says
+    assert request_from(service, "127.0.0.5", PROBE, dana)[0] == 200  # dana's own address
+    for attempt in range(per_pair):
+        assert request_from(service, "127.0.0.1", PROBE, ("dana", f"guess-{attempt}"))[0] == 401
+    status, _, body = request_from(service, "127.0.0.1", PROBE, dana)
+    assert status == 429, body
+    wait = re.fullmatch(
+        r"Too many wrong passwords for this account or from this address: sign-ins are "
+        r"refused for (\d+) s more \(docs/tracking-server.md: Threat model\)\n",
+        body,
+    )
+    assert wait and 0 < int(wait[1]) <= limits.getint("tracking", "window_s"), body
+    with service.client(*dana), pytest.raises(TrackingError) as job:
+        prepare_store(service.url, "mnist")  # what dana's job says (from 127.0.0.1)
     assert str(job.value) == (
         f"MLflow server {service.url} refuses sign-ins for a while (HTTP 429: too many wrong "
         "passwords for this account or from this address). Wait, then check "
         "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
     )
+    assert request_from(service, "127.0.0.3", PROBE, dana)[0] == 200, "from another address"
     admin = ("admin", ADMIN_PASSWORD)
-    assert request_from(service, "127.0.0.3", PROBE, admin)[0] == 200, "another account signs in"
 
     def guess(attempt: int) -> int:
         return request_from(service, "127.0.0.5", PROBE, (f"name{attempt}", "guess"))[0]
 
+    def bearer(attempt: int) -> int:
+        return request_from(service, "127.0.0.7", PROBE, Authorization=f"Bearer {attempt}")[0]
+
     with ThreadPoolExecutor(4) as pool:
         assert set(pool.map(guess, range(per_address))) == {401}
+        assert set(pool.map(bearer, range(per_address))) == {401}, "no 500: not a password"
     assert request_from(service, "127.0.0.5", PROBE, admin)[0] == 429, "the address is refused"
+    assert request_from(service, "127.0.0.7", PROBE, admin)[0] == 429, "bearers count too"
+    assert request_from(service, "127.0.0.5", PROBE, dana)[0] == 200, "but not to dana, known"
     assert request_from(service, "127.0.0.6", PROBE, admin)[0] == 200, "another address is not"
 
 
@@ -782,6 +834,15 @@ def test_a_model_version_is_refused_for_a_source_the_account_may_not_read(
             "PERMISSION_DENIED"
         )
         assert refused(create, "tess-model", "models:/pat-model/1") == "PERMISSION_DENIED"
+        for spelling in ("/01", "/latest", "/None", "@nope"):  # as MLflow's parser reads them
+            source = f"models:/pat-model{spelling}"
+            status = api(service, TESS, "model-versions/create", name="tess-model", source=source)
+            assert status == 403, spelling
+        source = "models:///pat-model/1"
+        assert api(service, TESS, "model-versions/create", name="tess-model", source=source) in (
+            400,  # MLflow's own: a models:/ source with a host part (here, an empty one)
+            403,
+        )
         own_source = f"{tess.get_run(own_run).info.artifact_uri}/model"
         assert create("tess-model", own_source, own_run).version == "1"
     earlier = f"UPDATE model_versions SET source = '{bucket_path}', storage_location = "
@@ -792,6 +853,120 @@ def test_a_model_version_is_refused_for_a_source_the_account_may_not_read(
     )
     status, body = model_version_file(service, TESS, "tess-model")
     assert status == 403 and "source is not a run or model of this server" in body
+
+
+def api(service: Service, login: tuple[str, str], route: str, **body: str) -> int:
+    """The status of a POST to MLflow's REST ``route`` with ``body``, signed in as ``login``."""
+    answer = requests.post(
+        f"{service.url}/api/2.0/mlflow/{route}",
+        json=body,
+        auth=login,
+        verify=service.cert,
+        timeout=60,
+    )
+    return answer.status_code
+
+
+def as_service_user(*command: str, stdin: str = "") -> subprocess.CompletedProcess:
+    """``command`` run by the service's own user (what a program the service runs may do)."""
+    return subprocess.run(
+        ["runuser", "-u", SERVICE_USER, "--", *command],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.slow
+@SHARED
+def test_no_account_reaches_the_servers_disk_and_no_local_user_root(
+    service: Service, private_run: PrivateRun
+) -> None:
+    """No account, the admin's neither, chooses an experiment's artifact location (a local
+    user's folder, the data folder, another experiment's prefix); a run made before with a local
+    folder (a local user's link in it to the data folder) is not served; a line a program of the
+    service writes into settings.env is not run by root's tracking.sh; the accounts are the
+    admin's to list; the proxy's root lists no experiment; a 500 names no bucket; non-Basic
+    credentials get 401; MLflow denies routes without a rule; the service's user signs in to
+    PostgreSQL as MLflow's role only."""
+    if os.getuid() != 0:
+        pytest.skip("needs root (the service's own user, a local user's folder)")
+    folder = Path(tempfile.mkdtemp(prefix="a-local-users-"))
+    folder.chmod(0o755)
+    try:
+        for location in (
+            f"file://{folder}",
+            f"file://{service.data}",
+            f"s3://team/mlflow/{private_run.experiment}",
+            f"mlflow-artifacts:/{private_run.experiment}",
+        ):
+            create = {"name": f"at-{len(location)}", "artifact_location": location}
+            assert api(service, TESS, "experiments/create", **create) == 403, location
+        assert api(service, ("admin", ADMIN_PASSWORD), "experiments/create", **create) == 403
+        with service.client(*TESS) as tess:
+            experiment = tess.create_experiment("tess-earlier")
+            run_id = tess.create_run(experiment).info.run_id
+        earlier = (
+            f"UPDATE runs SET artifact_uri = 'file://{folder}/run' WHERE run_uuid = '{run_id}'"
+        )
+        psql = ["psql", "-h", str(service.data / "sockets"), "-U", "mlflow", "-d", "mlflow"]
+        subprocess.run([*psql, "-qc", earlier], check=True)
+        (folder / "run").symlink_to(service.data)  # the local user's link
+        for path in (
+            f"/get-artifact?run_id={run_id}&path=flask-secret-key",
+            f"/api/2.0/mlflow/artifacts/list?run_id={run_id}",
+        ):
+            for login in (TESS, ("admin", ADMIN_PASSWORD)):
+                status, _, body = request_from(service, "127.0.0.1", path, login)
+                assert status == 403 and "not in the server's artifact store" in body, path
+        upload = requests.post(
+            f"{service.url}/ajax-api/2.0/mlflow/upload-artifact",
+            params={"run_uuid": run_id, "path": "settings.env"},
+            data=b"touch /tmp/x",
+            auth=TESS,
+            verify=service.cert,
+            timeout=60,
+        )
+        assert upload.status_code == 403
+
+        settings = service.data / "settings.env"
+        kept = settings.read_text()
+        ran = folder / "ran-as-root"
+        appended = as_service_user("sh", "-c", f"echo 'touch {ran}' >>{settings}")
+        assert appended.returncode == 0, appended.stderr
+        try:
+            status = tracking("status", env=service.env, check=False)
+            assert status.returncode == 1 and "has a line that is not" in status.stderr
+            assert not ran.exists(), "root ran a line of the service's user's file"
+        finally:
+            as_service_user("sh", "-c", f"cat >{settings}", stdin=kept)
+    finally:
+        shutil.rmtree(folder)
+
+    assert request_from(service, "127.0.0.1", "/api/2.0/mlflow/users/list", TESS)[0] == 403
+    admin = ("admin", ADMIN_PASSWORD)
+    assert request_from(service, "127.0.0.1", "/api/2.0/mlflow/users/list", admin)[0] == 200
+    status, _, body = request_from(service, "127.0.0.1", PROBE, Authorization="Bearer x")
+    assert status == 401 and "Traceback" not in body
+    listing = "/api/2.0/mlflow-artifacts/artifacts"
+    assert request_from(service, "127.0.0.1", f"{listing}?path=", TESS)[0] == 403
+    assert request_from(service, "127.0.0.1", listing, TESS)[0] == 403
+    status, _, body = request_from(service, "127.0.0.1", f"{listing}/{experiment}/none", TESS)
+    assert "team" not in body and "s3://" not in body, (status, body)
+    mlflow = psutil.Process(program_pids(service.env)["mlflow"])
+    assert mlflow.environ()["MLFLOW_BASIC_AUTH_FAIL_CLOSED"] == "true"
+
+    sockets = str(service.data / "sockets")
+    for role, database, signs_in in (("postgres", "postgres", False), ("mlflow", "mlflow", True)):
+        signed = as_service_user(
+            "psql", "-h", sockets, "-U", role, "-d", database, "-Atc", "SELECT 1"
+        )
+        assert (signed.returncode == 0) == signs_in, (role, signed.stderr)
+    as_root = subprocess.run(
+        ["psql", "-h", sockets, "-U", "postgres", "-c", "SELECT 1"], capture_output=True
+    )
+    assert as_root.returncode != 0, "root signs in as MLflow's role only"
 
 
 def over_the_socket(service: Service, method: str, path: str, **headers: str) -> tuple[int, str]:
@@ -894,6 +1069,10 @@ def test_the_service_serves_a_users_job_over_tls_and_comes_back_after_a_crash(
     upgrade; stop leaves nothing running, and a start without the bucket's credentials is
     refused; the systemd unit's command serves the same data as its user until SIGTERM."""
     env, url, cert, s3 = service.env, service.url, service.cert, service.s3
+    for attempt in range(10):  # a local user's guesses lock the admin's account out of 127.0.0.1
+        request_from(service, "127.0.0.1", PROBE, ("admin", f"guess-{attempt}"))
+    assert request_from(service, "127.0.0.1", PROBE, ("admin", ADMIN_PASSWORD))[0] == 429
+    env = {k: v for k, v in env.items() if k != "MLFLOW_AUTH_ADMIN_PASSWORD"}  # not needed
     added = tracking(*on_page("bash server/tracking.sh add-user ann"), env=env).stdout
     password = re.search(r"Its password \(shown once, give it to ann\): (\S+)", added)[1]
 

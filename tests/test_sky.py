@@ -23,6 +23,7 @@ from tests.conftest import (
     only_run,
     tiny_overrides,
 )
+from tests.local_servers import free_service_port
 from tests.test_distributed import launch_together
 from tests.test_server import (
     ADMIN_PASSWORD,
@@ -159,7 +160,7 @@ def test_service_tasks_run_section_serves_until_the_service_is_stopped(
     boto3.client("s3", **BUCKET_LOGIN, endpoint_url=s3_server["AWS_ENDPOINT_URL"]).create_bucket(
         Bucket="team"
     )
-    port = free_port()
+    port = free_service_port()  # as root, one under 1024 (tracking.sh refuses others)
     given = {  # sky launch --env ... --secret MLFLOW_AUTH_ADMIN_PASSWORD
         "TRACKING_ARTIFACTS": "s3://team/mlflow",
         "TRACKING_HOST": "127.0.0.1",
