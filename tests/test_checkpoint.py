@@ -17,6 +17,7 @@ from src.template.checkpoint import (
     AtomicCheckpointIO,
     BestCheckpoint,
     CheckpointError,
+    JobRecord,
     LastCheckpoint,
     check_fits,
     check_same_job,
@@ -234,7 +235,7 @@ def fit_with_best(folder: Path, epochs: int, ckpt_path: Path | None = None) -> B
     best = BestCheckpoint(dirpath=folder, monitor="val/loss", mode="min", save_top_k=2)
     trainer = L.Trainer(
         max_epochs=epochs,
-        callbacks=[best, LastCheckpoint(folder)],
+        callbacks=[best, LastCheckpoint(folder), JobRecord({}, [])],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -260,6 +261,17 @@ def test_a_copied_jobs_best_checkpoints_are_found_beside_its_last(tmp_path: Path
     # Forgotten, the best would start afresh: the third epoch's file alone.
     assert len(best.best_k_models) == 2 and set(recorded) & kept, kept
     assert all(Path(path).parent == copy and Path(path).is_file() for path in best.best_k_models)
+
+
+def test_a_checkpoint_records_the_world_its_job_ran_on(tmp_path: Path) -> None:
+    """What a resume on another number of ranks or nodes is told from (start.say_world_change)."""
+    fit_with_best(tmp_path, epochs=1)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert saved["job"] == {
+        "settings": {},
+        "overrides": [],
+        "world": {"world_size": 1, "num_nodes": 1},
+    }
 
 
 def saved_job(cfg_overrides: list[str], workdir: Path) -> dict:

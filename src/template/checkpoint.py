@@ -364,7 +364,8 @@ def settings_to_record(
 
 class JobRecord(Callback):
     """Stores the job in every checkpoint (rank 0's is saved): the settings that decide its result
-    (a resume must match them) and its overrides (the command that continues it)."""
+    (a resume must match them), its overrides (the command that continues it) and the world it
+    ran on (a resume on another says so: ``start.say_world_change``)."""
 
     def __init__(self, settings: Mapping[str, Any], overrides: list[str]) -> None:
         self.job = {"settings": dict(settings), "overrides": list(overrides)}
@@ -372,7 +373,8 @@ class JobRecord(Callback):
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        checkpoint["job"] = self.job
+        world = {"world_size": trainer.world_size, "num_nodes": trainer.num_nodes}
+        checkpoint["job"] = {**self.job, "world": world}
 
 
 def check_strategy(ckpt_path: str, strategy: str) -> None:
