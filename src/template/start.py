@@ -43,7 +43,6 @@ def where_to_start(cfg: DictConfig, settings: JobSettings, ran_before: bool) -> 
     checkpoint.check_strategy(ckpt_path, cfg.strategy.name)
     saved = checkpoint.read_checkpoint(ckpt_path, weights=False)  # its weights: fit loads them
     checkpoint.check_same_job(saved, cfg, ckpt_path)
-    say_world_change(saved, cfg, settings)
     finished_run = finished_job_run(saved, cfg.logger, settings, ckpt_path)
     folder = Path(ckpt_path).parent.parent
     limit = checkpoint.limit_reached(saved, cfg.trainer)
@@ -55,6 +54,7 @@ def where_to_start(cfg: DictConfig, settings: JobSettings, ran_before: bool) -> 
         reporting.remove_attempt_record()  # a folder Hydra made for nothing
         result = sweeps.finished_result(folder, cfg.optimized_metric)
         return Start(read_back=True, result=result)
+    say_world_change(saved, cfg, settings)  # not for a job read back: it trains nothing
     return Start(ckpt_path, saved, finished_run, auto)
 
 
