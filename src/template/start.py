@@ -98,7 +98,8 @@ def say_world_change(saved: dict, cfg: DictConfig, settings: JobSettings) -> Non
     if None in before or before == now:
         return  # the same world, or a checkpoint older than this record
     batch = cfg.data.batch_size
-    old, new = ranks(*before), ranks(*now)
+    old = ranks(*before)
+    new = ranks(*now)
     split = f"data.batch_size={batch}: {batch // now[0]} a rank, was {batch // before[0]}"
     if cfg.strategy.exact:
         outcome = f"the same global batches ({split}), so the same result as on {old}"
