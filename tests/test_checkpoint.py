@@ -1,10 +1,13 @@
 """Checkpoint writing, checking and loading; per-step seeding. Models and data are those of the
 machinery's own test task (tests/machinery_task.py)."""
 
+import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import lightning.pytorch as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -14,6 +17,7 @@ from src.template.checkpoint import (
     AtomicCheckpointIO,
     BestCheckpoint,
     CheckpointError,
+    JobRecord,
     LastCheckpoint,
     check_fits,
     check_same_job,
@@ -223,6 +227,51 @@ def test_best_file_copied_into_a_resumed_folder_is_never_rewritten_in_place(
         assert torch.equal(torch.load(reader, weights_only=True)["weights"], torch.arange(1000))
     assert torch.equal(torch.load(copied, weights_only=True)["weights"], -torch.arange(1000))
     assert not list(new.glob(".*.tmp"))
+
+
+def fit_with_best(folder: Path, epochs: int, ckpt_path: Path | None = None) -> BestCheckpoint:
+    """The machinery's test task fitted with the template's best and last checkpoints in
+    ``folder`` (from ``ckpt_path``: a resume)."""
+    best = BestCheckpoint(dirpath=folder, monitor="val/loss", mode="min", save_top_k=2)
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        callbacks=[best, LastCheckpoint(folder), JobRecord({}, [])],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regressor(features=8, hidden=8), datamodule=synthetic_data(), ckpt_path=ckpt_path)
+    return best
+
+
+def test_a_copied_jobs_best_checkpoints_are_found_beside_its_last(tmp_path: Path) -> None:
+    """A job's folder copied or moved (another disk, another machine), its first folder gone:
+    a resume from the copy's last.ckpt finds the best checkpoints the checkpoint recorded at
+    their old paths beside it, and keeps ranking them (issue 60)."""
+    first, copy = tmp_path / "first", tmp_path / "copy"
+    fit_with_best(first, epochs=2)
+    recorded = sorted(path.name for path in first.glob("epoch*.ckpt"))
+    assert len(recorded) == 2
+    shutil.copytree(first, copy)
+    shutil.rmtree(first)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "best checkpoints of")
+        best = fit_with_best(copy, epochs=3, ckpt_path=copy / "last.ckpt")
+    kept = {Path(path).name for path in best.best_k_models}
+    # Forgotten, the best would start afresh: the third epoch's file alone.
+    assert len(best.best_k_models) == 2 and set(recorded) & kept, kept
+    assert all(Path(path).parent == copy and Path(path).is_file() for path in best.best_k_models)
+
+
+def test_a_checkpoint_records_the_world_its_job_ran_on(tmp_path: Path) -> None:
+    """What a resume on another number of ranks or nodes is told from (start.say_world_change)."""
+    fit_with_best(tmp_path, epochs=1)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert saved["job"] == {
+        "settings": {},
+        "overrides": [],
+        "world": {"world_size": 1, "num_nodes": 1},
+    }
 
 
 def saved_job(cfg_overrides: list[str], workdir: Path) -> dict:

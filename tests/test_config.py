@@ -252,6 +252,19 @@ def test_evaluation_takes_a_batch_the_world_does_not_divide(tmp_path: Path) -> N
         check_settings(cfg, fitting=True)
 
 
+def test_a_resume_on_a_world_that_does_not_divide_its_batch_names_the_ones_that_do(
+    tmp_path: Path,
+) -> None:
+    """A resume keeps its job's global batch (another is refused as another job): the refusal
+    names the nearest world sizes that divide it, not only another batch size (issue 60)."""
+    args = ["strategy=ddp", "devices=3", "data.batch_size=128"]
+    cfg = compose_config("train", [*args, "ckpt_path=x/last.ckpt"], tmp_path)
+    with pytest.raises(
+        Exception, match=r"\(a resume keeps its job's: resume it on 2 or 4 ranks\)$"
+    ):
+        check_settings(cfg, fitting=True)
+
+
 @pytest.mark.parametrize(
     "length",
     [

@@ -290,7 +290,7 @@ def test_an_offline_job_leaves_its_whole_run_to_src_sync(server, job_factory) ->
         client = MlflowClient(url)
         assert_complete_run(client, run_id, 2, "FINISHED")
         run = client.get_run(run_id)
-        assert run.info.run_name == "train mnist" and run.data.params["model.lr"] == "0.01"
+        assert run.info.run_name == "train mnist convnet" and run.data.params["model.lr"] == "0.01"
         assert {a.path for a in client.list_artifacts(run_id)} >= {"config.yaml", "checkpoints"}
         # MLflow's source tags are the job's, taken where it ran, not src.sync's.
         assert run.data.tags["mlflow.source.name"].endswith("src/train.py"), run.data.tags

@@ -9,7 +9,7 @@ import pytest
 from mlflow import MlflowClient
 
 from src.template.settings import JobSettings
-from src.template.start import finished_job_run, say_auto_started_fresh
+from src.template.start import finished_job_run, say_auto_started_fresh, say_world_change
 from tests.test_config import compose_config
 
 
@@ -46,3 +46,49 @@ def test_a_job_finished_when_its_job_json_says_so_not_when_lightning_ended_its_r
     assert finished_job_run(saved, cfg.logger, settings, last) is None
     (folder / "job.json").write_text(json.dumps({"overrides": [], "result": 0.9}))
     assert finished_job_run(saved, cfg.logger, settings, last) == run_id
+
+
+def world(world_size: int, num_nodes: int = 1) -> dict:
+    """A checkpoint's record of the world its job ran on (``checkpoint.JobRecord``)."""
+    return {"job": {"world": {"world_size": world_size, "num_nodes": num_nodes}}}
+
+
+@pytest.mark.parametrize(
+    ("before", "overrides", "said"),
+    [
+        (
+            world(2),
+            [],
+            "Resuming a job of 2 ranks on 1 rank: the same global batches "
+            "(data.batch_size=64: 64 a rank, was 32), so the same result as on 2 ranks",
+        ),
+        (
+            world(1),
+            ["devices=4", "data.batch_size=64"],
+            "Resuming a job of 1 rank on 4 ranks: "
+            "the same global batches (data.batch_size=64: 16 a rank, was 64)",
+        ),
+        (world(4, num_nodes=2), ["devices=2"], "Resuming a job of 4 ranks (2 nodes) on 2 ranks:"),
+        (
+            world(2),
+            ["strategy.exact=false"],
+            "Resuming a job of 2 ranks on 1 rank: "
+            "strategy.exact=false: BatchNorm statistics and dropout masks per rank "
+            "(data.batch_size=64: 64 a rank, was 32), so not the result it would have had on 2",
+        ),
+    ],
+    ids=["2-to-1", "1-to-4", "nodes", "not-exact"],
+)
+def test_a_resume_on_another_world_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, before: dict, overrides: list, said: str
+) -> None:
+    """Spot capacity: a job stopped on N ranks resumed on M says so, and what it means for the
+    result (issue 60); the same world, or a checkpoint without the record, says nothing."""
+    cfg = compose_config("train", ["data.batch_size=64", "accelerator=cpu", *overrides], tmp_path)
+    settings = JobSettings.from_config(cfg)
+    say_world_change(before, cfg, settings)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(said) and line.endswith("(docs/resuming.md#on-another-number-of-ranks)")
+    for same in (world(settings.world_size), {"job": {"settings": {}}}, {}):
+        say_world_change(same, cfg, settings)
+        assert capsys.readouterr().out == ""

@@ -91,7 +91,7 @@ def test_the_guides_ddp_sweep_runs_every_job_once_with_its_own_world(
     assert all(run.info.status == "FINISHED" for run in runs.values())
     # Each run is named for what its job varies (DDP jobs run as their own process tree too).
     assert {job: (r.info.run_name, r.data.tags["world_size"]) for job, r in runs.items()} == {
-        job: (f"train mnist devices={world} lr={lr}", world)
+        job: (f"train mnist convnet devices={world} lr={lr}", world)
         for job, (world, lr) in expected.items()
     }
     for job, (world, lr) in expected.items():

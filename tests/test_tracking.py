@@ -19,7 +19,13 @@ from omegaconf import OmegaConf
 from src.template.config import flatten
 from src.template.settings import JobSettings
 from src.template.tracking.outcome import log_model
-from src.template.tracking.run import build_loggers, run_to_continue, user_tags
+from src.template.tracking.run import (
+    RESUMED_TAG,
+    build_loggers,
+    log_params,
+    run_to_continue,
+    user_tags,
+)
 from src.template.tracking.store import (
     TrackingError,
     artifact_location,
@@ -143,6 +149,41 @@ def test_run_tags_and_notes_land_on_the_run(tmp_path: Path) -> None:
     assert tags["team"] == "vision" and tags["data"] == "v2"
     assert tags["mlflow.note.content"] == "first try, on CPU", "the UI's run description"
     assert tags["task"] == "train", "the template's own tags stay"
+
+
+def test_runs_are_named_for_what_tells_them_apart_and_resumes_are_on_the_run(
+    tmp_path: Path,
+) -> None:
+    """Issue 60: the runs list told a 2-rank ResNet job from nothing. Its name says the data,
+    the network and the world size; a resume continues the same run under the same name, and
+    the run says it in its tags (``resume.count``: a column of the runs list) and description."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = ["model=resnet", "strategy=ddp", "accelerator=cpu", f"logger.tracking_uri={uri}"]
+    notes = "logger.notes='spot nodes'"
+    client = MlflowClient(uri)
+
+    def job(devices: int, resumed_from: int | None = None, run_id: str | None = None) -> str:
+        cfg = compose_config("train", [*first, notes, f"devices={devices}"], tmp_path)
+        resumed = {RESUMED_TAG: str(resumed_from)} if resumed_from else {}
+        settings = JobSettings.from_config(cfg)
+        (logger,) = build_loggers(cfg, settings, resumed, continue_run=run_id)
+        log_params(logger, flatten(OmegaConf.to_container(cfg, resolve=True)))
+        return logger.run_id
+
+    run_id = job(devices=2)
+    assert client.get_run(run_id).info.run_name == "train mnist resnet 2 ranks"
+    assert job(devices=2, resumed_from=50, run_id=run_id) == run_id
+    assert job(devices=1, resumed_from=80, run_id=run_id) == run_id  # spot capacity: 1 left
+    run = client.get_run(run_id)
+    assert run.info.run_name == "train mnist resnet 2 ranks", "one run, its name kept"
+    assert run.data.tags["resume.count"] == "2" and run.data.tags["resume.2.world_size"] == "1"
+    assert run.data.tags["resume.2.resumed_from_step"] == "80"
+    assert run.data.tags["mlflow.note.content"] == (
+        "spot nodes\n\nResume 1: from step 50 on 2 ranks"
+        "\n\nResume 2: from step 80 on 1 rank (was 2)"
+    )
+    # One rank goes unsaid (tests/test_train.py: the run of a 1-rank job), a sweep's devices too.
+    assert compose_config("train", [], tmp_path).logger.run_name == "train mnist convnet"
 
 
 @pytest.mark.parametrize(
@@ -375,10 +416,13 @@ def test_a_reviewer_sees_named_runs_and_linked_models_in_the_mlflow_ui(
         assert " Runs Views " in runs, "the experiment opens on its training runs"
         assert "train mnist sweep " in runs, "one row: the sweep's parent, its jobs nested under it"
         models = page_text(f"{url}/#/experiments/{experiment}/models?workflowType=machine_learning")
-        assert "train mnist lr=0.01" in models and "train mnist lr=0.02" in models, models[:2000]
+        assert "train mnist convnet lr=0.01" in models, models[:2000]
+        assert "train mnist convnet lr=0.02" in models, models[:2000]
         # The page each job prints (for `mlflow ui` on its default port): the run, in training mode.
         run_page = page_text(shown.replace("http://127.0.0.1:5000", url))
-        assert "train mnist lr=0.01" in run_page and "Model training" in run_page, run_page[:3000]
+        assert "train mnist convnet lr=0.01" in run_page and "Model training" in run_page, run_page[
+            :3000
+        ]
         model_page = page_text(f"{url}/#/experiments/{experiment}/models/{model.model_id}")
         assert "Datasets used mnist/test" in model_page, model_page[-2000:]
         assert "Model versions r v1" in model_page, model_page[-2000:]

@@ -77,7 +77,10 @@ def test_train_logs_one_finished_mlflow_run(trained: dict[str, Path]) -> None:
     assert store.is_file(), "the default store is mlflow.db in the launch folder"
     client, run = only_run(store)
     assert run.info.status == "FINISHED"
-    assert run.info.run_name == f"train {DATA_NAME}"
+    # Named for the data and the network (the tiny job's, if its task has model.net.name)
+    config = yaml.safe_load((trained["run_dir"] / "config.yaml").read_text())
+    network = (config["model"].get("net") or {}).get("name")
+    assert run.info.run_name == " ".join(filter(None, ["train", DATA_NAME, network]))
     assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(
         trained["workdir"] / "mlartifacts"
     )

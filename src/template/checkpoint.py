@@ -65,6 +65,7 @@ class BestCheckpoint(EpochEndCheckpoint):
     folders become files for a job that writes files (its strategy could not read them)."""
 
     writes_folders = False  # strategy=fsdp with sharded_checkpoints: the best are folders
+    loading_from: Path | None = None  # the folder of the checkpoint being restored
 
     def keep(self, source: Path, target: Path) -> None:
         """A best checkpoint of the job resumed, at ``target`` (``source`` itself, or a copy)
@@ -80,17 +81,35 @@ class BestCheckpoint(EpochEndCheckpoint):
         super().setup(trainer, pl_module, stage)  # before Lightning restores the callbacks
         self.writes_folders = getattr(trainer.strategy, "sharded_checkpoints", False)
 
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Called just before load_state_dict, with the path of the checkpoint being read.
+        self.loading_from = Path(trainer.ckpt_path).parent if trainer.ckpt_path else None
+
+    def located(self, recorded: str) -> Path | None:
+        """Where a best checkpoint recorded at ``recorded`` is now: there, or (its folder copied
+        or moved, e.g. to another machine) the file of that name beside the checkpoint being
+        restored; None if neither exists."""
+        candidates = [Path(recorded)]
+        if self.loading_from is not None:
+            candidates.append(self.loading_from / Path(recorded).name)
+        return next((path for path in candidates if path.exists()), None)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         old = state_dict.get("dirpath")
         new = self.dirpath
         best = state_dict.get("best_k_models", {})
-        moving = old and new and old != new and all(Path(path).exists() for path in best)
+        found = {path: self.located(path) for path in best}
+        moving = bool(old and new and old != new and all(found.values()))
         moved = {path: str(Path(new) / Path(path).name) if moving else path for path in best}
         # Lightning restores callbacks again from the best file at test time, while other
         # ranks read that file: never rewrite it in place (it is a file by then).
         if rank_zero_only.rank == 0:
-            for source, target in moved.items():
-                self.keep(Path(source), Path(target))
+            for recorded, target in moved.items():
+                source = found[recorded]
+                if source is not None and (moving or source == Path(target)):
+                    self.keep(source, Path(target))
         if moving:
             state_dict = {
                 **state_dict,
@@ -101,7 +120,8 @@ class BestCheckpoint(EpochEndCheckpoint):
                 "last_model_path": "",
             }
         elif old and old != new:
-            rank_zero_warn(f"best checkpoints of {old} are gone; the best starts afresh")
+            beside = f" nor beside {self.loading_from}" if self.loading_from else ""
+            rank_zero_warn(f"best checkpoints of {old} are gone{beside}; the best starts afresh")
         super().load_state_dict(state_dict)
 
 
@@ -344,7 +364,8 @@ def settings_to_record(
 
 class JobRecord(Callback):
     """Stores the job in every checkpoint (rank 0's is saved): the settings that decide its result
-    (a resume must match them) and its overrides (the command that continues it)."""
+    (a resume must match them), its overrides (the command that continues it) and the world it
+    ran on (a resume on another says so: ``start.say_world_change``)."""
 
     def __init__(self, settings: Mapping[str, Any], overrides: list[str]) -> None:
         self.job = {"settings": dict(settings), "overrides": list(overrides)}
@@ -352,7 +373,8 @@ class JobRecord(Callback):
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        checkpoint["job"] = self.job
+        world = {"world_size": trainer.world_size, "num_nodes": trainer.num_nodes}
+        checkpoint["job"] = {**self.job, "world": world}
 
 
 def check_strategy(ckpt_path: str, strategy: str) -> None:

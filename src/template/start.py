@@ -59,6 +59,7 @@ def where_to_start(cfg: DictConfig, settings: JobSettings, ran_before: bool) -> 
     logged = saved.get(LOGGED_SO_FAR, {})  # as the checkpoint was written
     if limit:  # stopped in its test, its fit ended: what all of that fit logged
         logged = sweeps.fitted_record(folder, saved["global_step"]) or logged
+    say_world_change(saved, cfg, settings)  # not for a job read back: it trains nothing
     return Start(ckpt_path, saved, finished_run, auto, logged=logged)
 
 
@@ -80,6 +81,39 @@ def finished_job_run(
 def say(line: str) -> None:
     """One line on stdout, from rank 0 only (rank processes run the entry point again)."""
     print(line)
+
+
+ELASTIC_DOC = "docs/resuming.md#on-another-number-of-ranks"
+
+
+def ranks(world_size: int, num_nodes: int) -> str:
+    """``2 ranks``, ``1 rank``, ``8 ranks (2 nodes)``."""
+    nodes = f" ({num_nodes} nodes)" if num_nodes > 1 else ""
+    return f"{world_size} rank{'s' if world_size > 1 else ''}{nodes}"
+
+
+def say_world_change(saved: dict, cfg: DictConfig, settings: JobSettings) -> None:
+    """A resume on another number of ranks or nodes (spot capacity) says so in one line: each
+    rank's share of the same global batches changes, the result does not (``strategy.exact``);
+    with ``strategy.exact=false`` it does. (A world size that does not divide the global batch
+    is refused earlier: ``check_settings``.)"""
+    world = ((saved.get("job") or {}).get("world")) or {}
+    before = (world.get("world_size"), world.get("num_nodes"))
+    now = (settings.world_size, settings.num_nodes)
+    if None in before or before == now:
+        return  # the same world, or a checkpoint older than this record
+    batch = cfg.data.batch_size
+    old = ranks(*before)
+    new = ranks(*now)
+    split = f"data.batch_size={batch}: {batch // now[0]} a rank, was {batch // before[0]}"
+    if cfg.strategy.exact:
+        outcome = f"the same global batches ({split}), so the same result as on {old}"
+    else:
+        outcome = (
+            f"strategy.exact=false: BatchNorm statistics and dropout masks per rank ({split}), "
+            f"so not the result it would have had on {old}"
+        )
+    say(f"Resuming a job of {old} on {new}: {outcome} ({ELASTIC_DOC})")
 
 
 @rank_zero_only

@@ -22,6 +22,7 @@ from hydra.types import RunMode
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
+from src.template.distributed import requested_processes
 from src.template.files import write_text_atomically
 
 log = logging.getLogger(__name__)
@@ -188,14 +189,25 @@ def swept_overrides() -> list[str]:
     return varied_overrides(HydraConfig.get().overrides.task, sweep_overrides(job[0]))
 
 
+def ranks_in_name(accelerator: str, devices: Any, num_nodes: int) -> str:
+    """``${ranks:...}``: " 2 ranks" for a job of more than one process (the MLflow run name),
+    "" for one process or for a sweep job that varies ``devices`` or ``num_nodes`` (its name
+    already says them)."""
+    varied = {override.split("=")[0] for override in swept_overrides()}
+    world = requested_processes(accelerator, devices, num_nodes)
+    return "" if world == 1 or varied & {"devices", "num_nodes"} else f" {world} ranks"
+
+
 def gpus_for(accelerator: str, devices: int) -> int:
     return 0 if accelerator == "cpu" else int(devices)
 
 
 def register_resolvers() -> None:
     """``${gpus_for:...}``: GPUs per node for a scheduler (conf/hydra/launcher/slurm.yaml);
-    ``${swept:}``: " lr=0.003" in a sweep job, "" in a single run (the MLflow run name)."""
+    ``${swept:}``: " lr=0.003" in a sweep job, "" in a single run, and ``${ranks:...}``: " 2
+    ranks" (both for the MLflow run name)."""
     OmegaConf.register_new_resolver("gpus_for", gpus_for, replace=True)
+    OmegaConf.register_new_resolver("ranks", ranks_in_name, replace=True)
     OmegaConf.register_new_resolver(
         "swept", lambda: "".join(f" {o}" for o in swept_overrides()), replace=True
     )

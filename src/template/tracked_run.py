@@ -41,7 +41,8 @@ class TrackedRun:
         (lengthened) records into a new run that starts with the finished run's points."""
         if start.finished_run is None:
             continue_run = run.run_to_continue(start.saved, cfg.logger, settings, auto=start.auto)
-            loggers = run.build_loggers(cfg, settings, continue_run=continue_run)
+            resumed = {run.RESUMED_TAG: str(start.saved["global_step"])} if start.saved else {}
+            loggers = run.build_loggers(cfg, settings, resumed, continue_run=continue_run)
             return cls(cfg, settings, loggers)
         say(
             f"{Path(start.ckpt_path).parent.parent}: this job finished; it trains on into a new "

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.template.checkpoint import AtomicCheckpointIO, BestCheckpoint, LastCheckpoint
 from src.template.config import ConfigError, as_config_error, check_count, check_keys
-from src.template.data import per_device_batch_size
+from src.template.data import DataError, per_device_batch_size
 from src.template.distributed import (
     LogRankSetup,
     WatchedDDPStrategy,
@@ -52,6 +52,23 @@ SET_BY_TEMPLATE = {
 }
 
 
+def check_global_batch(batch_size: int, world_size: int, resuming: bool) -> None:
+    """Training splits the global batch equally over the ranks. A resume keeps its job's batch
+    size (another would be another job): its refusal also names the world sizes that divide it,
+    the ones to resume on (spot capacity)."""
+    try:
+        per_device_batch_size(batch_size, world_size)
+    except DataError as error:
+        if not resuming:
+            raise
+        below = max(n for n in range(1, world_size) if batch_size % n == 0)
+        above = [n for n in range(world_size + 1, batch_size + 1) if batch_size % n == 0][:1]
+        fits = " or ".join(map(str, [below, *above]))
+        plural = "s" if [below, *above] != [1] else ""
+        advice = f"a resume keeps its job's: resume it on {fits} rank{plural}"
+        raise DataError(f"{error} ({advice})") from None
+
+
 def check_settings(cfg: DictConfig, fitting: bool) -> JobSettings:
     """Refuse, before anything is written, settings that cannot work; for training also a global
     batch the world size does not divide (evaluation splits by samples). Returns the job's
@@ -68,7 +85,7 @@ def check_settings(cfg: DictConfig, fitting: bool) -> JobSettings:
         if (every := cfg.callbacks.checkpoint.get("every_n_train_steps")) is not None:
             check_count("callbacks.checkpoint.every_n_train_steps", every, 1)
         check_count("callbacks.stop_check_every_n_steps", cfg.callbacks.stop_check_every_n_steps, 1)
-        per_device_batch_size(cfg.data.batch_size, settings.world_size)
+        check_global_batch(cfg.data.batch_size, settings.world_size, resuming=bool(cfg.ckpt_path))
     # A trial build: Lightning's own checks of the trainer values, before anything is written.
     # Quiet: the real build says the same (its info lines, its warnings) once.
     with (

@@ -40,6 +40,8 @@ RUN_ID_FILE = "mlflow_run_id.txt"  # in the output folder: the run a job (re)ope
 
 NOTE_TAG = "mlflow.note.content"  # what the MLflow UI shows and edits as a run's description
 
+RESUMED_TAG = "resumed_from_step"  # a resumed job's: the step of the checkpoint it resumed from
+
 
 def build_loggers(
     cfg: DictConfig,
@@ -87,7 +89,7 @@ def mlflow_run_logger(
         tags["mlflow.parentRunId"] = parent
     return RunLogger(
         experiment_name=cfg.logger.experiment_name,
-        run_name=cfg.logger.run_name,
+        run_name=" ".join(str(cfg.logger.run_name).split()),  # a part left empty: no gap
         tracking_uri=uri,
         artifact_location=store.artifact_location(uri),
         tags=tags,
@@ -274,6 +276,7 @@ def log_params(logger: MLFlowLogger, params: Mapping[str, Any]) -> None:
             if run.data.tags.get(key) != value and not key.startswith("mlflow.")
         }
         tags["resume.count"] = str(count)
+        tags[NOTE_TAG] = resume_note(run.data.tags, logger.tags, count)
         tags[f"resume.{count}.changed_params"] = "\n".join(changed)[:5000] or "(none)"
         params = {k: v for k, v in params.items() if k not in old}
     entries = []
@@ -284,6 +287,19 @@ def log_params(logger: MLFlowLogger, params: Mapping[str, Any]) -> None:
             text = text[: PARAM_LIMIT - 30] + " ...[cut: see config.yaml]"
         entries.append(Param(key, text))
     client.log_batch(run_id, params=entries, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
+def resume_note(before: Mapping[str, str], now: Mapping[str, str], count: int) -> str:
+    """The run's description (the MLflow UI's, ``logger.notes`` at first) with a line for this
+    resume: where it resumed and on how many ranks, e.g. "Resume 1: from step 50 on 1 rank (was
+    2)"."""
+    world = now.get("world_size", "?")
+    # The last job's: a resume's own tag where it differed from the first job's.
+    was = before.get(f"resume.{count - 1}.world_size", before.get("world_size", world))
+    line = f"Resume {count}: from step {now.get(RESUMED_TAG, '?')} on {world} rank"
+    line += ("s" if world != "1" else "") + (f" (was {was})" if was != world else "")
+    note = before.get(NOTE_TAG, "")
+    return f"{note}\n\n{line}" if note else line
 
 
 @contextmanager
