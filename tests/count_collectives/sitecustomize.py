@@ -86,7 +86,11 @@ class Counted:
     def __call__(self, *args, **kwargs):
         if state["depth"] == 0 and steps:
             steps[-1][2] += 1
-        return self.packet(*args, **kwargs)
+        state["depth"] += 1  # a torch function mode re-calls the packet itself: one collective
+        try:
+            return self.packet(*args, **kwargs)
+        finally:
+            state["depth"] -= 1
 
     def __getattr__(self, name: str):
         return getattr(self.packet, name)
