@@ -7,7 +7,7 @@ start); the gradient all-reduce runs in DDP's C++ reducer and is not counted. Un
 batch statistics (an all-gather) and its backward sends their gradients back (a reduce-scatter):
 4 per step for the tiny ConvNet's 2 BatchNorms, 5 in all. ``strategy.exact=false`` adds none.
 Dropout adds none: each rank draws the global batch's mask itself. The training points' syncs, once
-per ``trainer.log_every_n_steps`` window (``src/template/train_points.py``) falls past these
+per ``trainer.log_every_n_steps`` window (``src/template/train_points.py``) fall past these
 epochs' steps. Anything else the template adds is a regression: on a GPU a step of this network
 takes about a millisecond.
 """

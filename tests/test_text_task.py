@@ -19,7 +19,7 @@ import torch
 from mlflow import MlflowClient
 
 from tests.conftest import PROJECT, load_checkpoint, read_metrics, run_entry, run_job
-from tests.test_task_contract import leave_out, replace_the_task, set_line
+from tests.test_task_contract import failures, leave_out, replace_the_task, set_line
 
 TEXT = PROJECT / "tests" / "text_task"  # laid out as the project: src/task/, conf/
 SIGNAL_AT_STEP = PROJECT / "tests" / "signal_at_step"
@@ -209,6 +209,6 @@ def test_the_daily_checks_pass_on_the_text_task(project: Path, tmp_path: Path) -
         text=True,
         timeout=1200,
     )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, failures(proc)
     summary = proc.stdout.strip().splitlines()[-1]
     assert re.match(r"\d+ passed, \d+ deselected(, \d+ warnings?)? in", summary), summary

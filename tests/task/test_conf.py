@@ -107,3 +107,23 @@ def test_a_resume_may_move_the_data_and_compile_the_model_but_not_change_the_lr(
     check_same_job(saved, compose_config("train", moved, tmp_path), "last.ckpt")
     with pytest.raises(CheckpointError, match=r"model.lr=0.002 \(here 0.1\)"):
         check_same_job(saved, compose_config("train", [*job, "model.lr=0.1"], tmp_path), "x")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "name"),
+    [
+        ([], "train mnist convnet"),
+        (
+            ["data=shards", "model=resnet", "devices=2", "accelerator=cpu"],
+            "train shards resnet 2 ranks",
+        ),
+        (["experiment=fashion_mnist", "model=resnet"], "train fashion_mnist resnet"),
+    ],
+)
+def test_the_runs_are_named_by_the_data_the_network_and_the_ranks(
+    overrides: list[str], name: str, tmp_path: Path
+) -> None:
+    """Issue 60's runs list, as the image task's jobs name their runs (what
+    tests/test_tracking.py checks for any task)."""
+    run_name = compose_config("train", overrides, tmp_path).logger.run_name
+    assert " ".join(run_name.split()) == name
