@@ -63,6 +63,15 @@ class StopOnSignal(Callback):
 
     on_sanity_check_start = on_train_start = _defer
 
+    def _stop_at_once(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Outside training a stop is at once (the job tests again when resumed). Lightning's own
+        # SIGTERM handler for these stages broadcasts from rank 0, which a rank inside another
+        # collective (an FSDP unit's gather) never meets: both ranks hung (issue 63).
+        if not self._deferring:
+            self.install()
+
+    on_validation_start = on_test_start = on_predict_start = _stop_at_once
+
     def _stop_if_agreed(self, trainer: L.Trainer, checkpoint: bool = False) -> None:
         """Stop if any rank was asked to (every rank calls this at the same point)."""
         asked = self.requested is not None
