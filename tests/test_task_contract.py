@@ -306,7 +306,9 @@ def failures(proc: subprocess.CompletedProcess) -> str:
     ran are named, would push them out of the output's tail)."""
     start = proc.stdout.find("= FAILURES =")
     summary = proc.stdout.find("short test summary info")
-    shown = proc.stdout[start : start + 6000] if start >= 0 else ""
+    if summary < 0:  # it crashed before its summary: the output's tail
+        return proc.stdout[-6000:] + proc.stderr[-2000:]
+    shown = proc.stdout[start:summary][:6000] if 0 <= start < summary else ""
     return shown + proc.stdout[summary:][-3000:] + proc.stderr[-2000:]
 
 
