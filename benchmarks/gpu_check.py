@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -71,15 +72,9 @@ def benchmark_rows(workdir: Path) -> dict[str, dict]:
         from src.task.data.mnist import MNISTDataModule
     except ModuleNotFoundError as missing:
         return {"benchmark rows 8, 11, 12": {"skipped": f"no image task's benchmark ({missing})"}}
-    from tests.idx_data import make_dataset
-
     batch = 128
     real = has_real("FashionMNIST")
-    root = workdir / "data"
-    make_dataset(root, n_train=batch * (BENCHMARK_STEPS + 10) + 100, n_test=300)
-    data = MNISTDataModule(name="mnist", root=str(root), download=False, val_size=100)
-    data.setup("fit")
-    overrides = ["data=mnist", f"data.root={root}", "data.val_size=100"]
+    data, overrides = benchmark_data(MNISTDataModule, workdir / "data", batch)
     rows = accelerated_rows(
         data.train_set, batch, BENCHMARK_STEPS, 1, overrides, workdir, real, tiny=False
     )
@@ -88,6 +83,21 @@ def benchmark_rows(workdir: Path) -> dict[str, dict]:
             "skipped": f"needs Fashion-MNIST in $TEMPLATE_DATA_DIR ({SHARED_DATA})"
         }
     return rows | sharding.measure(workdir, False, 1) | exact.measure(workdir, False, 1)
+
+
+def benchmark_data(
+    datamodule: type, root: Path, batch: int, steps: int = BENCHMARK_STEPS
+) -> tuple[Any, list[str]]:
+    """Generated MNIST-shaped data for ``steps`` steps of ``batch``, set up for fitting, and the
+    overrides that train on it (a CPU test builds it: the rows themselves need a GPU)."""
+    from tests.idx_data import make_dataset
+
+    make_dataset(root, n_train=batch * (steps + 10) + 100, n_test=300)
+    data = datamodule(
+        name="mnist", root=str(root), download=False, batch_size=batch, val_size=100
+    )
+    data.setup("fit")
+    return data, ["data=mnist", f"data.root={root}", "data.val_size=100"]
 
 
 def main() -> None:
@@ -100,6 +110,7 @@ def main() -> None:
         summary, seconds = run_tests(arguments)
         failed |= "failed" in summary or "error" in summary
         table.add_row(name, summary, f"{seconds:.0f}")
+        print(f"{name}: {summary} ({seconds:.0f} s)", flush=True)  # kept if a later row fails
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as workdir:
         rows = benchmark_rows(Path(workdir))

@@ -51,6 +51,17 @@ def test_the_gpu_check_runs_tests_that_exist() -> None:
             assert f"def {function.split('[')[0]}(" in source, f"{name}: {test}"
 
 
+def test_the_gpu_checks_benchmark_data_builds(tmp_path: Path) -> None:
+    """The data of its benchmark rows, built here (the rows need a GPU: a mistake there was
+    found only on a lent GPU, after its tests had run)."""
+    from benchmarks.gpu_check import benchmark_data
+    from src.task.data.mnist import MNISTDataModule
+
+    data, overrides = benchmark_data(MNISTDataModule, tmp_path / "data", batch=8, steps=2)
+    assert len(data.train_set) == 8 * 12
+    assert overrides[0] == "data=mnist"
+
+
 @pytest.mark.slow
 def test_benchmark_tiny_mode_reports_every_row(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
