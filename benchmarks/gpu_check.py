@@ -93,9 +93,7 @@ def benchmark_data(
     from tests.idx_data import make_dataset
 
     make_dataset(root, n_train=batch * (steps + 10) + 100, n_test=300)
-    data = datamodule(
-        name="mnist", root=str(root), download=False, batch_size=batch, val_size=100
-    )
+    data = datamodule(name="mnist", root=str(root), download=False, batch_size=batch, val_size=100)
     data.setup("fit")
     return data, ["data=mnist", f"data.root={root}", "data.val_size=100"]
 
