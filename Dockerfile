@@ -18,13 +18,20 @@ RUN if ! command -v python3 >/dev/null || ! python3 -c "import venv, ensurepip" 
 
 FROM base AS build
 WORKDIR /app
-COPY wheelhouse/ /wheelhouse/
-COPY pyproject.toml constraints.txt README.md ./
-COPY src/ src/
-COPY hydra_plugins/ hydra_plugins/
+# The build context (.dockerignore): the project, its wheels, and in the template repository the
+# library's source (lib/), installed from there; a project's pin installs it from git.
+COPY . /context
+# hadolint ignore=DL3008
+RUN if [ ! -d /context/lib ] && ! command -v git >/dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends git \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+RUN cp -r /context/pyproject.toml /context/constraints.txt /context/README.md /context/src . \
+    && mkdir /wheelhouse && cp -r /context/wheelhouse/. /wheelhouse/
 # The README's install, without the dev extra: the same pinned versions (constraints.txt).
 RUN python3 -m venv /opt/venv \
-    && /opt/venv/bin/pip install --find-links /wheelhouse -c constraints.txt -e . \
+    && LIBRARY=$(if [ -d /context/lib ]; then echo /context/lib; fi) \
+    && /opt/venv/bin/pip install --find-links /wheelhouse -c constraints.txt ${LIBRARY:+"$LIBRARY"} -e . \
     && /opt/venv/bin/pip install --no-deps -c constraints.txt litdata
 
 FROM base

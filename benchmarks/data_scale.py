@@ -22,7 +22,15 @@ a shared machine. Rows ``10.``:
   at 224x224;
 * the share of a training step spent waiting for data, ``data=shards data.num_workers=2``: the
   time between one step's end and the next one's start (the loader's ``next()``, plus
-  Lightning's bookkeeping) over the time from step end to step end, after warm-up steps.
+  Lightning's bookkeeping) over the time from step end to step end, after warm-up steps;
+* what the in-memory path costs per image (``benchmarks.run``: 1 rank; ``--memory``: 1, 2 and
+  4 ranks, and nothing else): the real command, ``python -m src.train data=image_folder
+  data.val_size=50 data.image_size=[128,128] trainer.max_steps=3 logger=none`` (``strategy=ddp
+  devices=N`` for N ranks), on folders of 500 and 5,000 RGB 128x128 JPEGs (50 test images in
+  both: only the training split grows): the peak resident memory of its largest process (what
+  ``/usr/bin/time -v`` prints: the kernel's ``ru_maxrss``) and of all its processes together
+  (sampled every 20 ms), and the slope: what each added image adds to a rank's peak, over its
+  decoded pixels (target <= 1.5).
 """
 
 import argparse
@@ -34,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -67,13 +76,14 @@ def _write_images(job: tuple[str, int, int, int]) -> None:
         image.save(f"{folder}/{label}/{i:07d}.jpg", quality=90)
 
 
-def generate(root: Path, count: int, size: int) -> Path:
-    """``root/train/<class>/*.jpg`` (``count`` images) and ``root/test`` (2 %, at least 20),
-    ``size`` x ``size`` RGB, written on every core; kept for the next run (``root/complete``)."""
+def generate(root: Path, count: int, size: int, test: int | None = None) -> Path:
+    """``root/train/<class>/*.jpg`` (``count`` images) and ``root/test`` (``test``; None: 2 %,
+    at least 20), ``size`` x ``size`` RGB, written on every core; kept for the next run
+    (``root/complete``)."""
     if (root / "complete").is_file():
         return root
     jobs = []
-    for split, n in (("train", count), ("test", max(20, count // 50))):
+    for split, n in (("train", count), ("test", test or max(20, count // 50))):
         for label in range(CLASSES):
             (root / split / str(label)).mkdir(parents=True, exist_ok=True)
         step = max(1, min(2000, n // (4 * (os.cpu_count() or 1))))
@@ -136,7 +146,7 @@ def dataset(workdir: Path, count: int, size: int) -> tuple[Path, Path, float, fl
 CHILD = """
 import os, sys, time
 from lightning.pytorch.callbacks import Callback
-import src.template.job  # its build_callbacks gets one more callback
+import lightning_exact.job.jobs  # its build_callbacks gets one more callback
 
 steps, warmup = int(sys.argv[1]), int(sys.argv[2])
 
@@ -160,8 +170,8 @@ class Steps(Callback):
             print("WAIT_SHARE", self.waits / self.total if self.total else 0.0, flush=True)
             os._exit(0)
 
-build = src.template.job.build_callbacks
-src.template.job.build_callbacks = lambda *a, **k: [*build(*a, **k), Steps()]
+build = lightning_exact.job.jobs.build_callbacks
+lightning_exact.job.jobs.build_callbacks = lambda *a, **k: [*build(*a, **k), Steps()]
 sys.argv = ["src.train", *sys.argv[3:]]
 import runpy
 runpy.run_module("src.train", run_name="__main__")
@@ -224,6 +234,102 @@ def fits_in_memory(count: int, size: int) -> tuple[bool, str]:
     available = psutil.virtual_memory().available
     reason = f"needs ~{need / GB:.0f} GB (3x its {count * size * size * 3 / GB:.1f} GB of pixels)"
     return need <= 0.6 * available, f"{reason}, {available / GB:.0f} GB available"
+
+
+# --- the in-memory path's memory per image, on 1, 2 and 4 ranks
+
+SLOPE_TEST = 50  # test images of every slope folder: only the training split grows
+
+
+def peak_memory(command: list[str], cwd: Path) -> tuple[float, float]:
+    """Peak RSS (GB) of ``command``'s largest process, as ``/usr/bin/time -v`` reports it (the
+    kernel's ``ru_maxrss`` of the process and the children it waited for), and of all its
+    processes together (sampled every 20 ms: a sum of RSS, the pages they share counted once
+    per process)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        together = [0]
+        done = threading.Event()
+
+        def sample() -> None:
+            process = psutil.Process(proc.pid)
+            while not done.is_set():
+                try:
+                    tree = [process, *process.children(recursive=True)]
+                    together[0] = max(together[0], sum(p.memory_info().rss for p in tree))
+                except psutil.Error:  # a process ended between two calls
+                    pass
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=sample, daemon=True)
+        watcher.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+        done.set()
+        watcher.join()
+        if proc.returncode:
+            out.seek(0)
+            raise RuntimeError(f"{' '.join(command)} failed:\n{out.read()[-3000:]}")
+    return usage.ru_maxrss * 1024 / GB, together[0] / GB
+
+
+def memory_slope(
+    workdir: Path,
+    counts: tuple[int, int],
+    size: int,
+    ranks: int,
+    repeats: int,
+    batch: int = 128,
+) -> dict[str, dict]:
+    """Rows ``10.`` of the in-memory path on ``ranks`` ranks: peaks at both ``counts`` and the
+    slope per added image over its decoded pixels, the median of ``repeats`` runs alternating
+    the two counts (a peak varies by ~0.1 GB run to run: the allocators' arenas)."""
+    peaks: dict[int, list[tuple[float, float]]] = {count: [] for count in counts}
+    for count in [count for _ in range(repeats) for count in counts]:
+        images = generate(workdir / f"slope{size}-{count}", count, size, test=SLOPE_TEST)
+        run_dir = tempfile.mkdtemp(dir=workdir, prefix="job")
+        command = [
+            sys.executable,
+            "-m",
+            "src.train",
+            "data=image_folder",
+            f"data.root={images}",
+            f"data.val_size={min(50, counts[0] // 4)}",  # --tiny: 10
+            f"data.image_size=[{size},{size}]",
+            f"data.batch_size={batch}",
+            "trainer.max_steps=3",
+            "logger=none",
+            "callbacks.progress_bar=none",
+            f"hydra.run.dir={run_dir}",
+            *(["strategy=ddp", f"devices={ranks}"] if ranks > 1 else []),
+        ]
+        peaks[count].append(peak_memory(command, workdir))
+        shutil.rmtree(run_dir, ignore_errors=True)
+    small, large = counts
+    pixels = (large - small) * size * size * 3 / GB
+    name = f"10. in memory, {size}x{size} JPEGs, {ranks} rank{'s' * (ranks > 1)}"
+    rows = {}
+    for count, runs in peaks.items():
+        rows[f"{name}: peak RSS of a rank, {count:,} images (GB)"] = summary([r for r, _ in runs])
+        if ranks > 1:
+            rows[f"{name}: peak RSS of all, {count:,} images (GB)"] = summary([a for _, a in runs])
+    for which, what in ((0, "a rank's peak"), (1, "all ranks' peak")):
+        if which and ranks == 1:
+            break
+        target = " (target <= 1.5)" if which == 0 else ""
+        row = f"{name}: slope of {what} / pixels added{target}"
+        if pixels < 0.1:  # --tiny
+            rows[row] = {"skipped": f"{pixels * 1e3:.1f} MB added: below a peak's noise (0.1 GB)"}
+            continue
+        lows = [run[which] for run in peaks[small]]
+        highs = [run[which] for run in peaks[large]]
+        rows[row] = {  # medians; the extremes of the runs
+            "median": (summary(highs)["median"] - summary(lows)["median"]) / pixels,
+            "min": (min(highs) - max(lows)) / pixels,
+            "max": (max(highs) - min(lows)) / pixels,
+        }
+    return rows
 
 
 # --- one loader worker: decode + augment
@@ -397,11 +503,14 @@ def measure(sizes: list[int], workdir: Path, tiny: bool, repeats: int = 3) -> di
 
 
 def run_rows(tiny: bool, workdir: Path, repeats: int) -> dict[str, dict]:
-    """The rows for ``benchmarks.run``: 200 images in its temporary folder with ``--tiny``,
-    else 20,000 and 200,000 cached in :data:`DEFAULT_WORKDIR`."""
+    """The rows for ``benchmarks.run``: 200 images in its temporary folder with ``--tiny`` (and
+    the memory slope from 40 to 120 images of 32x32), else 20,000 and 200,000 cached in
+    :data:`DEFAULT_WORKDIR` (and the slope from 500 to 5,000 images of 128x128, one rank)."""
     if tiny:
-        return measure([200], workdir / "data-scale", tiny, repeats)
-    return measure([20_000, 200_000], DEFAULT_WORKDIR, tiny, repeats)
+        rows = measure([200], workdir / "data-scale", tiny, repeats)
+        return rows | memory_slope(workdir / "data-scale", (40, 120), 32, 1, 1, batch=16)
+    rows = measure([20_000, 200_000], DEFAULT_WORKDIR, tiny, repeats)
+    return rows | memory_slope(DEFAULT_WORKDIR, (500, 5_000), 128, 1, repeats)
 
 
 def main() -> None:
@@ -411,13 +520,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="throughput runs")
     kept = f"generated images and shards, kept between runs ({DEFAULT_WORKDIR})"
     parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help=kept)
+    slope = "only the in-memory path's memory per image: 500 -> 5,000 images, 1, 2, 4 ranks"
+    parser.add_argument("--memory", action="store_true", help=slope)
+    parser.add_argument("--ranks", default="1,2,4", help="with --memory: rank counts")
     args = parser.parse_args()
     sizes = [200] if args.tiny else [int(n) for n in args.sizes.split(",")]
-    rows = measure(sizes, args.workdir, args.tiny, 1 if args.tiny else args.repeats)
+    if args.memory:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        rows = {}
+        for ranks in [int(n) for n in args.ranks.split(",")]:
+            found = memory_slope(args.workdir, (500, 5_000), 128, ranks, args.repeats)
+            show(found)
+            rows |= found
+    else:
+        rows = measure(sizes, args.workdir, args.tiny, 1 if args.tiny else args.repeats)
+        show(rows)
+    print(json.dumps(rows))
+
+
+def show(rows: dict[str, dict]) -> None:
     for name, row in rows.items():
         figure = row.get("skipped") or "{median:,.3g} ({min:,.3g} - {max:,.3g})".format(**row)
-        print(f"{name}: {figure}")
-    print(json.dumps(rows))
+        print(f"{name}: {figure}", flush=True)
 
 
 if __name__ == "__main__":

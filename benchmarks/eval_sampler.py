@@ -10,12 +10,12 @@ import time
 
 import lightning.pytorch as L
 import torch
+from lightning_exact.data import keep_batch
+from lightning_exact.training.distributed import job_scope
 from torch.utils.data import DataLoader
 
 from src.task.data.mnist import MNISTDataModule
 from src.task.model import ImageClassifier
-from src.template.data import keep_batch
-from src.template.distributed import job_scope
 
 
 class PaddedEval(MNISTDataModule):

@@ -7,8 +7,9 @@ It runs, and prints as one table:
   test (the template's per-step code under ``torch.cuda.set_sync_debug_mode("error")``), the
   global-batch layers on the GPU (torch's SyncBatchNorm function; 2 gloo ranks share one GPU),
   in float64 against the CPU's BatchNorm on the whole batch, one GPU training the CPU's float64
-  ResNet (``trainer.precision=64-true``), two GPUs training the weights of one (where 2 are
-  visible), ``trainer=gpu`` and more GPUs than there are;
+  weights of the library's test task (``trainer.precision=64-true``), two GPUs training the
+  weights of one (where 2 are visible), ``trainer=gpu`` and more GPUs than there are (the
+  library's tests, run in lib/);
 * the GPU rows of ``python -m benchmarks.run``, once each: 8 (resident data, bf16, compile; the
   time to 90 % Fashion-MNIST test accuracy where ``$TEMPLATE_DATA_DIR`` holds it), 11 (DDP
   against FSDP) and 12 (exact against per-rank training), on generated data.
@@ -28,34 +29,40 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = "lib/"  # the library's tests: run from lib/, on its own test task
 GPU_TESTS = {
     "sync-debug: the template's step code never syncs the GPU": [
-        "tests/test_hot_path.py::test_the_templates_step_code_never_syncs_the_gpu"
+        "lib/tests/test_hot_path.py::test_the_templates_step_code_never_syncs_the_gpu"
     ],
     "exact: global-batch layers on CPU and GPU, 2 GPUs train 1 GPU's weights": [
-        "tests/test_exact.py::test_batchnorm_on_two_ranks_equals_one_batchnorm_on_the_whole_batch",
-        "tests/test_exact.py::test_dropout_masks_sliced_by_rank_are_the_whole_batchs",
-        "tests/test_exact.py::test_two_gpus_train_the_weights_of_one_gpu",
+        "lib/tests/test_exact.py::test_batchnorm_on_two_ranks_equals_one_batchnorm_on_the_whole_batch",
+        "lib/tests/test_exact.py::test_dropout_masks_sliced_by_rank_are_the_whole_batchs",
+        "lib/tests/test_exact.py::test_two_gpus_train_the_weights_of_one_gpu",
     ],
-    "float64: SyncBatchNorm's kernels and 1 GPU's ResNet equal the CPU's to 1e-12 / 1e-8": [
-        "tests/test_exact.py::test_in_float64_batchnorm_on_two_ranks_equals_the_cpus_on_the_whole_batch",
-        "tests/test_exact.py::test_one_gpu_in_float64_trains_the_weights_of_the_cpu",
+    "float64: SyncBatchNorm's kernels and 1 GPU's MLP equal the CPU's to 1e-12 / 1e-8": [
+        "lib/tests/test_exact.py::test_in_float64_batchnorm_on_two_ranks_equals_the_cpus_on_the_whole_batch",
+        "lib/tests/test_exact.py::test_one_gpu_in_float64_trains_the_weights_of_the_cpu",
     ],
     "trainer=gpu builds; more GPUs than there are is refused": [
-        "tests/test_config.py::test_group_option_composes_and_builds[train-trainer=gpu]",
-        "tests/test_config.py::test_group_option_composes_and_builds[eval-trainer=gpu]",
-        "tests/test_config.py::test_group_option_composes_and_builds[predict-trainer=gpu]",
-        "tests/test_bad_input.py::test_more_gpus_than_the_machine_has",
+        "lib/tests/test_config.py::test_group_option_composes_and_builds[train-trainer=gpu]",
+        "lib/tests/test_config.py::test_group_option_composes_and_builds[eval-trainer=gpu]",
+        "lib/tests/test_config.py::test_group_option_composes_and_builds[predict-trainer=gpu]",
+        "lib/tests/test_bad_input.py::test_more_gpus_than_the_machine_has",
     ],
 }
 BENCHMARK_STEPS = 100  # steady-state steps of rows 8 (the full benchmark takes 150)
 
 
 def run_tests(arguments: list[str]) -> tuple[str, float]:
-    """pytest's summary line for ``arguments`` (slow tests included) and its seconds."""
+    """pytest's summary line for ``arguments`` (slow tests included) and its seconds; the
+    library's tests (``lib/...``) run in lib/, as its suite does."""
     start = time.monotonic()
+    library = all(argument.startswith(LIBRARY) for argument in arguments)
+    if library:
+        arguments = [argument.removeprefix(LIBRARY) for argument in arguments]
     command = [sys.executable, "-m", "pytest", *arguments, "-q", "-p", "no:cacheprovider"]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    cwd = ROOT / LIBRARY if library else ROOT
+    proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     summary = lines[-1].strip("= ") if lines else proc.stderr[-200:]
     if proc.returncode not in (0, 5):  # 5: nothing collected

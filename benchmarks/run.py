@@ -97,8 +97,7 @@ def template_job(overrides: list[str], workdir: Path, batch: int, steps: int) ->
     process: every callback (per-step seeding, stop-on-signal, checkpointing), the progress bar
     and the logger the overrides choose. One extra callback holds the clock."""
     import lightning.pytorch as L
-
-    import src.template.job  # its build_callbacks gets one more callback
+    import lightning_exact.job.jobs  # its build_callbacks gets one more callback
 
     class StepClock(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -112,9 +111,9 @@ def template_job(overrides: list[str], workdir: Path, batch: int, steps: int) ->
                 self.seconds = time.perf_counter() - self.start
 
     clock = StepClock()
-    build = src.template.job.build_callbacks
+    build = lightning_exact.job.jobs.build_callbacks
     argv = sys.argv
-    src.template.job.build_callbacks = lambda *a, **k: [*build(*a, **k), clock]
+    lightning_exact.job.jobs.build_callbacks = lambda *a, **k: [*build(*a, **k), clock]
     sys.argv = [
         "src.train",
         *overrides,
@@ -130,7 +129,7 @@ def template_job(overrides: list[str], workdir: Path, batch: int, steps: int) ->
     try:  # as `python -m src.train`: Hydra finds conf/ from the script's path
         runpy.run_module("src.train", run_name="__main__")
     finally:
-        src.template.job.build_callbacks, sys.argv = build, argv
+        lightning_exact.job.jobs.build_callbacks, sys.argv = build, argv
     return steps * batch / clock.seconds
 
 
@@ -139,15 +138,15 @@ def template_job(overrides: list[str], workdir: Path, batch: int, steps: int) ->
 FIRST_STEP = """
 import os, sys, time
 from lightning.pytorch.callbacks import Callback
-import src.template.job  # its build_callbacks gets one more callback
+import lightning_exact.job.jobs  # its build_callbacks gets one more callback
 
 class FirstStep(Callback):
     def on_train_batch_end(self, *args):
         print("FIRST_STEP", time.time(), flush=True)
         os._exit(0)
 
-build = src.template.job.build_callbacks
-src.template.job.build_callbacks = lambda *a, **k: [*build(*a, **k), FirstStep()]
+build = lightning_exact.job.jobs.build_callbacks
+lightning_exact.job.jobs.build_callbacks = lambda *a, **k: [*build(*a, **k), FirstStep()]
 sys.argv = ["src.train", *sys.argv[1:]]
 import runpy
 runpy.run_module("src.train", run_name="__main__")
@@ -397,7 +396,7 @@ def decode_folder(images: torch.Tensor, labels: torch.Tensor, count: int, workdi
     present = [name for name in classes if any((folder / name).iterdir())]
     start = time.perf_counter()
     labels_read, image_at = surveyed(folder, present, 1, (28, 28))  # what data.load() decodes
-    decoded = read_images(image_at, range(len(labels_read)))
+    decoded = read_images(image_at, range(len(labels_read)), (1, 28, 28))
     elapsed = time.perf_counter() - start
     assert len(decoded) == count
     return elapsed
@@ -463,8 +462,9 @@ def machine() -> dict[str, object]:
 
 
 def run(tiny: bool, repeats: int, steps: int, batch: int, workdir: Path) -> dict:
+    from lightning_exact.data import keep_batch
+
     from src.task.data.mnist import MNISTDataModule
-    from src.template.data import keep_batch
 
     real = not tiny and has_real("FashionMNIST")
     if real:

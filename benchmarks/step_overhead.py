@@ -78,9 +78,8 @@ def build(args: argparse.Namespace):
 
 
 def loader(train_set, batch: int):
+    from lightning_exact.data import keep_batch
     from torch.utils.data import DataLoader
-
-    from src.template.data import keep_batch
 
     return DataLoader(train_set, batch_size=batch, shuffle=True, collate_fn=keep_batch)
 
@@ -137,10 +136,11 @@ def run_bare(args: argparse.Namespace, clock: Clock) -> None:
 
 def run_template(args: argparse.Namespace, clock: Clock) -> None:
     """``python -m src.train`` in this process, one callback added: the clock."""
-    import src.template.job  # its build_callbacks gets one more callback
+    import lightning_exact.job.jobs  # its build_callbacks gets one more callback
 
-    build = src.template.job.build_callbacks
-    src.template.job.build_callbacks = lambda *a, **k: [*build(*a, **k), clock_callback(clock)]
+    jobs = lightning_exact.job.jobs
+    build = jobs.build_callbacks
+    jobs.build_callbacks = lambda *a, **k: [*build(*a, **k), clock_callback(clock)]
     sys.argv = [
         "src.train",
         *args.overrides,

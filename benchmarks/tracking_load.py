@@ -3,12 +3,13 @@
 Drives an MLflow server as the cloud write-up's setup does: several concurrent jobs (a sweep's
 children under its parent run), each with a rank-0 metric stream and checkpoint uploads, and
 simulated nodes sending system metrics into their job's run, every record through the project's
-outbox (``src/template/tracking/outbox.py``: fsynced, sent in order, kept while the server is away).
+outbox (``lib/lightning_exact/tracking/outbox.py``: fsynced, sent in order, kept while the server is
+away).
 
-* ``postgresql``: the whole service, ``server/tracking.sh start`` (PostgreSQL, MLflow's
-  basic-auth server with artifacts proxied to an S3 bucket, caddy's TLS, supervisord). During the
-  run the MLflow server is SIGKILLed (supervisord starts it again), PostgreSQL is restarted, and
-  the S3 endpoint is stopped (SIGSTOP) for a while.
+* ``postgresql``: the whole service, ``python -m lightning_exact.server start`` (PostgreSQL,
+  MLflow's basic-auth server with artifacts proxied to an S3 bucket, caddy's TLS, supervisord).
+  During the run the MLflow server is SIGKILLed (supervisord starts it again), PostgreSQL is
+  restarted, and the S3 endpoint is stopped (SIGSTOP) for a while.
 * ``sqlite``: the single-user default, ``mlflow server`` on a SQLite file, the same load, no
   faults (nothing would restart it).
 
@@ -19,8 +20,10 @@ points: missing or stored twice), the latency of the client's calls as the sende
 """
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -36,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-
-from tests.local_servers import (
+from lightning_exact.server import SCRIPT
+from lightning_exact.testing.servers import (
     free_port,
     free_service_port,
     let_the_service_user_reach,
@@ -45,7 +48,6 @@ from tests.local_servers import (
     wait_for_port,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 SYSTEM_METRICS = ("system/cpu_utilization_percentage", "system/system_memory_usage_megabytes")
 JOB_METRICS = ("train/loss", "train/acc", "train/lr", "train/samples")
@@ -95,9 +97,20 @@ class Service:
         return total / MIB
 
 
+def mlflow_pgid(data: Path) -> int:
+    """The MLflow server's process group (its file is empty for a moment while supervisord
+    starts it again: then read once more)."""
+    for _ in range(50):
+        if written := (data / "mlflow.pgid").read_text().strip():
+            return int(written)
+        time.sleep(0.1)
+    raise RuntimeError(f"{data / 'mlflow.pgid'} stays empty")
+
+
 @contextmanager
 def postgresql_service(workdir: Path, s3: dict[str, str], workers: int) -> Iterator[Service]:
-    """``bash server/tracking.sh start`` in a folder of its own, an account for the clients."""
+    """``python -m lightning_exact.server start`` in a folder of its own, an account for the
+    clients."""
     # Not under workdir: the service's user (as root: a user of its own) must pass through every
     # parent folder.
     parent = Path(tempfile.mkdtemp(prefix="tracking-load-service-"))
@@ -116,8 +129,8 @@ def postgresql_service(workdir: Path, s3: dict[str, str], workers: int) -> Itera
         "MLFLOW_AUTH_ADMIN_PASSWORD": secrets.token_urlsafe(16),
         "TRACKING_USER_PASSWORD": secrets.token_urlsafe(16),
     }
-    script = ["bash", str(ROOT / "server" / "tracking.sh")]
-    let_the_service_user_reach(Path(sys.executable), ROOT / "server" / "tracking.sh", data)
+    script = [sys.executable, "-m", "lightning_exact.server"]
+    let_the_service_user_reach(Path(sys.executable), SCRIPT, data)
     try:
         for command in (["start"], ["add-user", "bench"]):
             proc = subprocess.run([*script, *command], env=env, capture_output=True, text=True)
@@ -130,7 +143,7 @@ def postgresql_service(workdir: Path, s3: dict[str, str], workers: int) -> Itera
                 "MLFLOW_TRACKING_USERNAME": "bench",
                 "MLFLOW_TRACKING_PASSWORD": env["TRACKING_USER_PASSWORD"],
             },
-            lambda: int((data / "mlflow.pgid").read_text()),
+            lambda: mlflow_pgid(data),
             data / "supervisord.conf",
         )
     finally:
@@ -204,6 +217,119 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else float("nan")
 
 
+# The request path's parts a profile reports, each by the frames that are all on a sample's
+# stack (a function, and the end of its file's path, as py-spy names a frame). A sample counts
+# once for a part however often the part is on its stack.
+FLASK = ("wsgi_app", "flask/app.py")
+STORE = "store/tracking/sqlalchemy_store.py"
+PROFILED = {
+    "request in Flask (all of it)": [FLASK],
+    "  MLflow's before_request: sign-in and checks": [("_before_request", "auth/__init__.py")],
+    "    tracking_auth: sign-in, limits, refusals": [("authenticate", "tracking_auth.py")],
+    "      the limits' query": [("seconds_refused", "tracking_auth.py")],
+    "      a password checked (scrypt)": [("_authenticate_cached", "auth/__init__.py")],
+    "      the body parsed as JSON": [("json_object_sent", "tracking_auth.py")],
+    "      artifact and trace refusals": [("artifact_refusal", "tracking_auth.py")],
+    "      account refusals": [("account_refusal", "tracking_auth.py")],
+    "    MLflow's permission check (log-batch's)": [("validate_can_log_batch", "auth/__init__.py")],
+    "      the run's experiment": [("_run_requirement", "auth/__init__.py")],
+    "      the account's grants read": [("list_grants", "auth/sqlalchemy_store.py")],
+    "  MLflow's handler: log-batch": [("_log_batch", "server/handlers.py")],
+    "    the store's log_batch": [("log_batch", STORE)],
+    "      the run read (is it active?)": [("log_batch", STORE), ("_get_run", STORE)],
+    "      the points written": [("log_batch", STORE), ("_insert_metrics", STORE)],
+    "      its latest values updated": [("_update_latest_metrics_if_necessary", STORE)],
+    "  MLflow's handler: an artifact's upload": [("_upload_artifact", "server/handlers.py")],
+    "  after_request hooks": [("process_response", "flask/app.py")],
+    "SQL sent and answered, all of it": [("do_execute", "sqlalchemy/engine/default.py")],
+    "a pooled connection pinged before use": [("do_ping", "postgresql/_psycopg_common.py")],
+    "outside Flask: uvicorn, the WSGI bridge": [("run_forever", "asyncio/base_events.py")],
+}
+FRAME = re.compile(r"(?:[\w.<>]+\.)?([\w<>]+) \(([^:]*):\d+\)")
+
+
+def server_processes(service: Service) -> dict[str, list[psutil.Process]]:
+    """The MLflow server's workers (its uvicorn processes) and the service's PostgreSQL (its
+    postmaster, which names the data folder, and the processes it started)."""
+    found: dict[str, list[psutil.Process]] = {"workers": [], "postgres": []}
+    data = str(service.supervisor_conf.parent) if service.supervisor_conf else None
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        command = process.info["cmdline"] or []
+        with contextlib.suppress(ProcessLookupError, psutil.Error):
+            if os.getpgid(process.pid) == service.pgid() and "--multiprocessing-fork" in command:
+                found["workers"].append(process)
+            elif data and f"{data}/postgres" in command:
+                found["postgres"] += [process, *process.children(recursive=True)]
+    return found
+
+
+def cpu_s(processes: list[psutil.Process]) -> dict[int, float]:
+    """The CPU seconds each process used so far (user and system), by pid."""
+    used = {}
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            times = process.cpu_times()
+            used[process.pid] = times.user + times.system
+    return used
+
+
+class Profile:
+    """py-spy's samples of each MLflow worker (their stacks, 100 a second, without pausing
+    them) for ``seconds``, into ``folder``, and the CPU the workers and PostgreSQL used."""
+
+    def __init__(self, service: Service, folder: Path, seconds: float, calls: int) -> None:
+        spy = shutil.which("py-spy")
+        if spy is None:
+            raise SystemExit("--profile needs py-spy: pip install py-spy")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.service, self.folder, self.calls = service, folder, calls
+        processes = server_processes(service)
+        self.cpu_s = {part: cpu_s(processes[part]) for part in processes}
+        self.spies = [
+            subprocess.Popen(
+                [spy, "record", "--pid", str(worker.pid), "--rate", "100", "--nonblocking"]
+                + ["--format", "raw", "--duration", str(round(seconds))]
+                + ["--output", str(folder / f"{worker.pid}.txt")],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for worker in processes["workers"]
+        ]
+
+    def over(self) -> bool:
+        return all(spy.poll() is not None for spy in self.spies)
+
+    def ended(self, calls: int) -> dict[str, Any]:
+        """At the window's end: the calls answered in it, and the CPU per call of the workers
+        and of PostgreSQL (a process started meanwhile counts whole, one ended is missed)."""
+        calls -= self.calls
+        processes = server_processes(self.service)
+        cpu_ms = {}
+        for part, before in self.cpu_s.items():
+            now = cpu_s(processes[part])
+            used = sum(seconds - before.get(pid, 0.0) for pid, seconds in now.items())
+            cpu_ms[part] = round(1000 * used / max(calls, 1), 1)
+        return {"calls": calls, "cpu_ms_per_call": cpu_ms}
+
+    def shares(self) -> dict[str, float]:
+        """Each part of PROFILED: its share of the workers' samples, in per cent (a sample of a
+        thread that waits for a core counts too, one that waits for a socket not)."""
+        samples: Counter = Counter()
+        total = 0
+        for stacks in self.folder.glob("*.txt"):
+            for line in stacks.read_text().splitlines():
+                stack, _, count = line.rpartition(" ")
+                total += int(count)
+                frames = {(m[1], m[2]) for m in map(FRAME.fullmatch, stack.split(";")) if m}
+                for part, wanted in PROFILED.items():
+                    if all(
+                        any(f == function and path.endswith(file) for f, path in frames)
+                        for function, file in wanted
+                    ):
+                        samples[part] += int(count)
+        return {part: round(100 * samples[part] / max(total, 1), 1) for part in PROFILED}
+
+
 def faults(service: Service, s3_proc: subprocess.Popen, seconds: float) -> list:
     """The faults of the postgresql run, at 25 %, 50 % and 70 % of it: what was done, when."""
     done = []
@@ -215,8 +341,10 @@ def faults(service: Service, s3_proc: subprocess.Popen, seconds: float) -> list:
         os.killpg(service.pgid(), signal.SIGKILL)
         done.append((round(0.25 * seconds), "mlflow server SIGKILLed (supervisord restarts it)"))
         time.sleep(0.25 * seconds)
-        subprocess.run([*supervisor, "restart", "postgres"], capture_output=True, check=True)
-        done.append((round(0.5 * seconds), "PostgreSQL restarted"))
+        restart = subprocess.run([*supervisor, "restart", "postgres"], capture_output=True)
+        said = (restart.stdout + restart.stderr).decode().strip().replace("\n", "; ")
+        restarted = "PostgreSQL restarted" if restart.returncode == 0 else f"failed: {said}"
+        done.append((round(0.5 * seconds), restarted))
         time.sleep(0.2 * seconds)
         os.killpg(s3_proc.pid, signal.SIGSTOP)
         stopped = max(5.0, 0.1 * seconds)
@@ -239,12 +367,13 @@ def drive(
     pace_s: float,
     checkpoint_mib: int,
     start_faults: Callable[[], list] | None,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
-    """The load, then the check of what the server stored."""
+    """The load, then the check of what the server stored; with ``profile``, py-spy's samples
+    of the server's workers from 5 s into the load until its first fault (a fifth of it)."""
+    from lightning_exact.tracking.outbox import Outbox, Sender, encode
     from mlflow import MlflowClient
     from mlflow.entities import Metric
-
-    from src.template.tracking.outbox import Outbox, Sender, encode
 
     os.environ.update(service.client_env)
     plain = MlflowClient(service.url)
@@ -274,7 +403,13 @@ def drive(
     events = start_faults() if start_faults else []
     started = time.monotonic()
     step = 0
+    profiling: Profile | None = None
+    profiled: dict[str, Any] = {}
     while time.monotonic() - started < seconds:
+        if profile and not profiling and time.monotonic() - started >= 5:
+            profiling = Profile(service, profile, 0.2 * seconds - 5, len(latencies))
+        if profiling and not profiled and profiling.over():
+            profiled = profiling.ended(len(latencies))
         now = int(time.time() * 1000)
         for index, (outbox, _, run, keys) in enumerate(streams):
             metrics = [Metric(key, float(step + i), now, step) for i, key in enumerate(keys)]
@@ -305,6 +440,8 @@ def drive(
     finished = sum(plain.get_run(run).info.status == "FINISHED" for run in [*runs, parent])
     for outbox, _, _, _ in streams:
         outbox.close()
+    if profiling and profiled:
+        profiled = {"profile": {**profiled, "share_of_worker_samples_pct": profiling.shares()}}
     return {
         "jobs": jobs,
         "nodes": nodes,
@@ -327,6 +464,7 @@ def drive(
         },
         "server_peak_rss_mib": round(peak_rss),
         "faults": [f"at {t} s: {what}" for t, what in (e for e in events if isinstance(e, tuple))],
+        **profiled,
     }
 
 
@@ -339,6 +477,7 @@ def measure(
     pace_s: float,
     checkpoint_mib: int,
     workers: int,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     with s3_endpoint() as (s3, s3_proc):
         saved = dict(os.environ)
@@ -350,7 +489,15 @@ def measure(
                 if service.supervisor_conf:
                     inject = lambda: faults(service, s3_proc, seconds)  # noqa: E731
                 result = drive(
-                    service, workdir / backend, jobs, nodes, seconds, pace_s, checkpoint_mib, inject
+                    service,
+                    workdir / backend,
+                    jobs,
+                    nodes,
+                    seconds,
+                    pace_s,
+                    checkpoint_mib,
+                    inject,
+                    profile / backend if profile else None,
                 )
         finally:
             os.environ.clear()
@@ -371,6 +518,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4, help="mlflow server workers")
     parser.add_argument("--tiny", action="store_true", help="2 jobs, 4 nodes, 40 s (the test)")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="py-spy's samples of the server's workers (5 s into the load to its first fault) "
+        "into this folder, and the CPU per call of each part of the request path",
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         args.jobs, args.nodes, args.seconds, args.checkpoint_mib, args.workers = 2, 4, 40, 1, 2
@@ -386,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.pace_s,
                 args.checkpoint_mib,
                 args.workers,
+                args.profile,
             )
             print(json.dumps(result, indent=2), flush=True)
             results.append(result)

@@ -23,18 +23,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from lightning_exact import DataError, Task, check_choice, check_keys
+from lightning_exact.job.entry import main
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from torch import Tensor
 
 from src.task import TASK
-from src.task.data.images import channel_statistics, pixel_counts, read_images
+from src.task.data.images import PixelSums, read_images
 from src.task.data.shards import litdata
 from src.task.data.survey import own_sizes, said
-from src.template import entry
-from src.template.config import check_choice, check_keys
-from src.template.data import DataError
-from src.template.task import Task
 
 MANIFEST = "manifest.json"
 SPLITS = ("train", "test")
@@ -67,30 +65,29 @@ class Encoder:
 
 def scan(
     datamodule: Any, split: str, labels: Tensor, image_at: Callable, chunk: int = SCAN_CHUNK
-) -> tuple[str, Tensor]:
+) -> tuple[str, PixelSums]:
     """One pass over a split, a chunk of images at a time: each chunk checked as training checks
     the split, the split's content digest (the one the in-memory dataset logs) and its pixel
-    counts (for mean/std). Files (``image_at.findings``) that do not decode are recorded there
-    and left out of both, so the digest is that of the split without them (which the shards hold
-    with ``data.skip_unreadable=true``; without, the job is refused after the scan)."""
+    sums (for mean/std, counted as each image is decoded). Files (``image_at.findings``) that
+    do not decode are recorded there and left out of both, so the digest is that of the split
+    without them (which the shards hold with ``data.skip_unreadable=true``; without, the job is
+    refused after the scan)."""
     md5 = hashlib.md5()
-    counts = None
+    sums = PixelSums(datamodule.image_shape[0])
     findings = getattr(image_at, "findings", None)
     for start in range(0, len(labels), chunk):
         indices = range(start, min(start + chunk, len(labels)))
-        images = read_images(image_at, indices)
+        images = read_images(image_at, indices, datamodule.image_shape, sums)
         if findings is not None and findings.errors:
             images = images[torch.tensor([i not in findings.errors for i in indices])]
             if not len(images):
                 continue
         datamodule.check(split, images, labels[start : indices.stop])
         md5.update(images.numpy())
-        chunk_counts = pixel_counts(images)
-        counts = chunk_counts if counts is None else counts + chunk_counts
     if findings is not None and findings.errors:
         labels = labels[findings.readable()]
     md5.update(labels.numpy())
-    return md5.hexdigest(), counts
+    return md5.hexdigest(), sums
 
 
 def identity(datamodule: Any, digests: dict[str, str]) -> dict[str, Any]:
@@ -178,7 +175,7 @@ def manifest_for(
     found = said_and_kept(datamodule, sources)
     digests = {name: digest for name, (digest, _) in scanned.items()}
     if datamodule.mean is None:  # statistics of the training pixels, as read("train") sets them
-        datamodule.mean, datamodule.std = channel_statistics(scanned["train"][1])
+        datamodule.mean, datamodule.std = scanned["train"][1].statistics()
     expected = identity(datamodule, digests)
     files = any(hasattr(image_at, "original") for _, image_at in sources.values())
     manifest = check_folder(out, expected) or {
@@ -234,4 +231,4 @@ def prepare(cfg: DictConfig, task: Task) -> Path:
 
 
 if __name__ == "__main__":
-    entry.main("prepare", prepare, TASK)
+    main("prepare", TASK, prepare)

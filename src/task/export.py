@@ -1,16 +1,16 @@
-"""What a trained image classifier is as a served MLflow model: raw uint8 images in, the
-predicted class, its name and every class's probability out (see :mod:`src.task.served_model`).
-The machinery exports, saves, logs and registers it (:mod:`src.template.tracking.mlflow_model`)."""
+"""What a trained image classifier is as a served MLflow model: raw uint8 images in, the predicted
+class, its name and every class's probability out (see :mod:`src.task.served_model`). The machinery
+exports, saves, logs and registers it (:mod:`lightning_exact.tracking.mlflow_model`)."""
 
 import copy
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning_exact import ModelExport
 from torch import nn
 
 from src.task.data.images import ImageDataModule, Normalize
-from src.template.task import ModelExport
 
 EXAMPLES = 2  # images in the input example
 

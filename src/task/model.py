@@ -12,13 +12,12 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
+from lightning_exact import Batch, shard
 from torch import Tensor, nn
-from torchmetrics import MaxMetric, Metric
+from torchmetrics import Metric
 
 from src.task import nets
 from src.task.data.images import ImageDataModule
-from src.template.data import Batch
-from src.template.distributed import shard
 
 # strategy=fsdp: each submodule of these types is sharded as one unit (its weights gathered just
 # before it runs, freed after). Every module that holds parameters of its own must be, or be
@@ -130,9 +129,6 @@ class ImageClassifier(L.LightningModule):
             stage_metrics() for _ in range(3)
         )
         self.train_lr = LastValue()
-        # Best validation accuracy so far; persistent so a resumed run keeps it.
-        self.val_acc_best = MaxMetric(nan_strategy="disable")
-        self.val_acc_best.persistent(True)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.net_forward(images.contiguous(memory_format=self.memory_format))
@@ -184,12 +180,11 @@ class ImageClassifier(L.LightningModule):
         ):
             group["lr"] = group["initial_lr"] * factor(scheduler.last_epoch)
 
-    def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking:  # a couple of batches: not a real accuracy
-            return
-        self.val_acc_best.update(self.val_metrics["acc"].compute())  # Lightning reuses it
-        best = self.val_acc_best.compute()
-        self.log("val/acc_best", best, prog_bar=True, sync_dist=True, reduce_fx="max")
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """``val/acc_best`` is the machinery's now (the best checkpoint's score, from
+        ``monitor``): the state of the metric that computed it before is dropped. (A sharded
+        checkpoint, strategy=fsdp, holds no ``state_dict`` here: its shards load later.)"""
+        checkpoint.get("state_dict", {}).pop("val_acc_best.max_value", None)
 
     def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, torch.Tensor]:
         confidence, predicted = self(batch.inputs).softmax(dim=1).max(dim=1)

@@ -14,13 +14,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from lightning_exact import DataError, Task, model_from_checkpoint, read_checkpoint
 
 from src.task.data.image_folder import EXTENSIONS, FileImages
 from src.task.data.images import Normalize
 from src.task.data.survey import Findings, said
-from src.template.checkpoint import model_from_checkpoint, read_checkpoint
-from src.template.data import DataError
-from src.template.task import Task
 
 
 def image_paths(pattern: str) -> tuple[list[Path], list[Path]]:

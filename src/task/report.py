@@ -8,11 +8,11 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
+from lightning_exact import trainer_precision
 from torch import Tensor
 from torch.nn import functional as F
 
 from src.task.data.images import ImageDataModule
-from src.template.precision import trainer_precision
 
 COLUMNS = ("predicted", "confidence")
 GRID = (4, 8)  # rows and columns of misclassified images

@@ -1,20 +1,55 @@
-"""The shipped task's configs (conf/data/, conf/model/, conf/experiment/, conf/hparams_search/):
-what tests/test_config.py checks for any task, here with the image task's own names."""
+"""The shipped task's configs (conf/data/, conf/model/, conf/experiment/, conf/hparams_search/,
+conf/prepare.yaml): what lib/tests/test_config.py checks for any task, here with the image task's
+own names."""
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from lightning_exact.checkpoints.checkpoint import (
+    CheckpointError,
+    check_same_job,
+    settings_to_record,
+)
+from lightning_exact.testing import configs
+from lightning_exact.testing.configs import LOCAL_SETTINGS
+from omegaconf import DictConfig, OmegaConf
 
 from src.task import TASK
-from src.template.checkpoint import CheckpointError, check_same_job
-from tests.conftest import PROJECT
+from tests.conftest import HARNESS, PROJECT
 from tests.image_data import make_image_folder
 from tests.shard_data import write_manifest
-from tests.test_checkpoint import saved_job
-from tests.test_config import ENTRY_CONFIGS, LOCAL_SETTINGS, compose_config, conf_copy, refusal
-from tests.test_readme import TASK_GROUPS, config_keys
+from tests.template.test_readme import TASK_GROUPS, config_keys
+
+run_entry = HARNESS.run_entry
+CONF = PROJECT / "conf"
+ENTRY_CONFIGS = ("train", "eval", "predict", "prepare")  # prepare: the image task's
+
+
+def compose_config(name: str, overrides: list[str], workdir: Path, conf: Path = CONF) -> DictConfig:
+    """Compose like ``@hydra.main`` does, with the runtime folders a real launch would set."""
+    return configs.compose_config(name, overrides, workdir, conf=conf, task=TASK)
+
+
+def conf_copy(folder: Path, local: str | None) -> Path:
+    """A copy of conf/ with ``local`` as its conf/local/default.yaml (None: without one)."""
+    return configs.conf_copy(folder, CONF, local)
+
+
+def refusal(override: str) -> str:
+    """The line an entry point shows for a command-line ``override`` Hydra refuses."""
+    return configs.refusal(override, conf=CONF, task=TASK)
+
+
+def saved_job(cfg_overrides: list[str], workdir: Path) -> dict:
+    """A checkpoint's ``job`` entry as ``src.train`` writes it for these overrides."""
+    cfg = compose_config("train", cfg_overrides, workdir)
+    return {
+        "job": {"settings": settings_to_record(cfg, cfg.seed, None), "overrides": cfg_overrides}
+    }
+
 
 DATA = sorted(path.stem for path in (PROJECT / "conf" / "data").glob("*.yaml"))
 MODELS = sorted(path.stem for path in (PROJECT / "conf" / "model").glob("*.yaml"))
@@ -79,7 +114,7 @@ def test_a_mistyped_model_or_data_key_names_the_nearest(override: str, line: str
 
 def test_the_optuna_search_maximises_the_best_accuracy(tmp_path: Path) -> None:
     cfg = compose_config("train", ["hparams_search=convnet_optuna"], tmp_path)
-    assert cfg.optimized_metric == TASK.optimized_metric == "val/acc_best"
+    assert cfg.optimized_metric == TASK.config_values()["optimized_metric"] == "val/acc_best"
     assert TASK.config_values()["direction"] == "maximize"
 
 
@@ -112,18 +147,50 @@ def test_a_resume_may_move_the_data_and_compile_the_model_but_not_change_the_lr(
 @pytest.mark.parametrize(
     ("overrides", "name"),
     [
-        ([], "train mnist convnet"),
-        (
-            ["data=shards", "model=resnet", "devices=2", "accelerator=cpu"],
-            "train shards resnet 2 ranks",
-        ),
-        (["experiment=fashion_mnist", "model=resnet"], "train fashion_mnist resnet"),
+        ([], "convnet"),
+        (["data=shards", "model=resnet", "devices=2", "accelerator=cpu"], "2 ranks resnet"),
+        (["experiment=fashion_mnist", "model=resnet", "debug=fast"], "debug=fast resnet"),
     ],
 )
-def test_the_runs_are_named_by_the_data_the_network_and_the_ranks(
+def test_the_runs_are_named_by_the_ranks_and_the_network(
     overrides: list[str], name: str, tmp_path: Path
 ) -> None:
     """Issue 60's runs list, as the image task's jobs name their runs (what
     tests/test_tracking.py checks for any task)."""
     run_name = compose_config("train", overrides, tmp_path).logger.run_name
     assert " ".join(run_name.split()) == name
+
+
+# --- src.prepare (the image task's) reads this machine's settings as the library's entry points
+# do (lib/tests/test_config.py)
+
+
+def test_prepare_takes_local_settings_and_the_command_line_wins(tmp_path: Path) -> None:
+    conf = conf_copy(tmp_path, LOCAL_SETTINGS)
+    cfg = compose_config("prepare", [], tmp_path, conf)
+    assert cfg.paths.data_dir == "/datasets/here"
+    assert HydraConfig.get().run.dir.startswith("/scratch/outputs/prepare/runs/")
+    cfg = compose_config(
+        "prepare", ["paths.data_dir=/typed", "paths.log_dir=typed"], tmp_path, conf
+    )
+    assert cfg.paths.data_dir == "/typed"
+    assert HydraConfig.get().run.dir.startswith("typed/prepare/runs/")
+
+
+def test_without_local_settings_prepare_keeps_the_defaults(tmp_path: Path) -> None:
+    cfg = compose_config("prepare", [], tmp_path, conf_copy(tmp_path, None))
+    assert cfg.paths.data_dir == f"{tmp_path}/data"
+    assert HydraConfig.get().run.dir.startswith("outputs/prepare/runs/")
+    assert cfg == compose_config("prepare", ["~local"], tmp_path, tmp_path / "conf")
+
+
+@pytest.mark.slow
+def test_prepare_reads_local_settings(tmp_path: Path) -> None:
+    """``python -m src.prepare --cfg job`` in a copy of the project with conf/local/default.yaml."""
+    copy = tmp_path / "project"
+    for folder in ("src", "conf"):
+        shutil.copytree(PROJECT / folder, copy / folder, ignore=shutil.ignore_patterns("__py*"))
+    (copy / "conf" / "local" / "default.yaml").write_text(LOCAL_SETTINGS)
+    proc = run_entry("prepare", "--cfg", "job", cwd=copy, env={"PYTHONPATH": str(copy)})
+    assert "data_dir: /datasets/here" in proc.stdout, proc.stdout
+    assert "log_dir: /scratch/outputs" in proc.stdout

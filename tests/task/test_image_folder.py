@@ -4,13 +4,16 @@ uint8 tensors, and one line naming the file or folder for anything unusable."""
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from lightning_exact.data import DataError
 from PIL import Image
+from torch import Tensor
 
 from src.task.data.image_folder import ImageFolderDataModule
-from src.task.data.images import channel_statistics, pixel_counts
-from src.template.data import DataError
+from src.task.data.images import PixelSums, decode_image
+from src.task.data.memory import GB, PER_IMAGE_BYTES, PER_JOB_BYTES, cgroup_room
 from tests.image_data import CLASSES, make_image_folder, spoil
 
 
@@ -40,10 +43,17 @@ def test_rgb_folders_become_the_contracts_tensors(tmp_path: Path) -> None:
 
 
 def test_channel_statistics_are_those_of_every_pixel_at_once() -> None:
-    """Counted a chunk at a time (no float copy of the split), yet the statistics of the whole
-    split in float64, to the float32 the normalisation uses."""
+    """Summed an image at a time as it is decoded (no float copy of the split), in threads
+    whose sums are merged, yet the statistics of the whole split in float64, to the float32
+    the normalisation uses."""
     images = torch.randint(0, 256, (500, 3, 7, 9), dtype=torch.uint8)
-    mean, std = channel_statistics(pixel_counts(images, chunk_bytes=1000))  # 6 images a chunk
+    sums = PixelSums(3)
+    for part in (images[:123], images[123:]):  # two threads' sums
+        partial = PixelSums(3)
+        for image in part.numpy():
+            partial.add(image)
+        sums.merge(partial)
+    mean, std = sums.statistics()
     pixels = images.transpose(0, 1).reshape(3, -1).double() / 255
     assert torch.tensor(mean).float().tolist() == pixels.mean(dim=1).float().tolist()
     assert torch.tensor(std).float().tolist() == pixels.std(dim=1).float().tolist()
@@ -190,3 +200,91 @@ def test_the_files_own_size_is_said_where_training_resizes(
         Image.open(path).resize(sizes[1][::-1]).save(path)
     datamodule(tmp_path, val_size=2, batch_size=4).load()
     assert capsys.readouterr().out.splitlines() == ([note] if note else [])
+
+
+def decoded_one_by_one(root: Path, split: str, size: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """A split the simple way: each file of each class folder (sorted) decoded on its own and
+    stacked, those that do not decode left out; its labels."""
+    images, labels = [], []
+    for label, name in enumerate(CLASSES):
+        for path in sorted((root / split / name).iterdir()):
+            try:
+                images.append(decode_image(path, 3, size))
+            except (OSError, ValueError, SyntaxError):
+                continue
+            labels.append(label)
+    stacked = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
+    return stacked, torch.tensor(labels)
+
+
+def test_the_decoded_splits_are_each_file_decoded_on_its_own(tmp_path: Path) -> None:
+    """One preallocated tensor filled image by image in threads, the statistics summed in the
+    same pass, validation carved in place: the same pixels, labels and statistics as decoding
+    each file on its own and stacking them (other sizes, modes, unreadable files left out)."""
+    make_image_folder(tmp_path, n_train=70, n_test=9, suffix=".jpg")  # 350: two thread ranges
+    for k, path in enumerate(sorted((tmp_path / "train").rglob("*.jpg"))[::17]):
+        Image.open(path).resize((20 + 9 * k, 60 - 2 * k)).save(path.with_suffix(".png"))
+        path.unlink()
+    spoil(tmp_path)  # truncated files, a .txt, a grayscale PNG
+    dm = datamodule(tmp_path, val_size=40, skip_unreadable=True)
+    dm.load()
+    train, train_labels = decoded_one_by_one(tmp_path, "train", (32, 32))
+    test, test_labels = decoded_one_by_one(tmp_path, "test", (32, 32))
+    whole = torch.empty_like(train)
+    whole[dm.train_set.indices] = dm.train_set.inputs
+    whole[dm.val_set.indices] = dm.val_set.inputs
+    assert len(dm.train_set) + len(dm.val_set) == len(train) == 70 * 5 - 2 + 1
+    assert torch.equal(whole, train) and torch.equal(dm.test_set.inputs, test)
+    assert torch.equal(dm.train_set.targets, train_labels[dm.train_set.indices])
+    assert torch.equal(dm.test_set.targets, test_labels)
+    pixels = train.transpose(0, 1).reshape(3, -1).double() / 255
+    assert torch.allclose(torch.tensor(dm.mean, dtype=torch.float64), pixels.mean(1), 0, 1e-15)
+    assert torch.allclose(torch.tensor(dm.std, dtype=torch.float64), pixels.std(1), 0, 1e-12)
+    # Each split held once: validation is the rows after training's, in the tensor the files
+    # were decoded into (and after them the 2 rows of the unreadable training files).
+    storage = dm.train_set.inputs.untyped_storage()
+    assert dm.val_set.inputs.untyped_storage().data_ptr() == storage.data_ptr()
+    assert storage.nbytes() == train.numel() + 2 * train[0].numel()
+
+
+def folder_bytes(images: int, shape: tuple[int, int, int]) -> int:
+    """What loading ``images`` of ``shape`` takes, by the figures data=image_folder uses."""
+    return images * (int(np.prod(shape)) + PER_IMAGE_BYTES) + PER_JOB_BYTES
+
+
+def test_a_folder_too_large_for_the_memory_is_refused_before_it_is_decoded(
+    tmp_path: Path,
+) -> None:
+    """With ``data.memory_gb`` as the machine's memory (what the check reads instead of the
+    memory available): one line with the figure and both fixes, before any file is decoded (a
+    truncated one would be refused after the pass). The smaller size it names fits; two ranks
+    on this machine need a copy each."""
+    make_image_folder(tmp_path, n_train=6, n_test=3, size=(64, 64), suffix=".jpg")
+    spoil(tmp_path)
+    one = folder_bytes(6 * 5 + 1 + 3 * 5, (3, 64, 64))  # spoil() adds a grayscale image
+    limit = (one - PER_JOB_BYTES) / 2 + PER_JOB_BYTES  # the copy's pixels fit twice over
+    dm = datamodule(tmp_path, image_size=[64, 64], val_size=2, memory_gb=limit / GB)
+    with pytest.raises(DataError) as refused:
+        dm.load()
+    assert str(refused.value) == (
+        f"46 images decoded at data.image_size=[64,64] need {one / GB:.3g} GB of memory, more "
+        f"than the {limit / GB:.3g} GB data.memory_gb={limit / GB} allows; stream them "
+        f"instead: python -m src.prepare data=image_folder data.root={tmp_path} out=DIR, then "
+        "data=shards data.root=DIR, or decode them smaller: data.image_size=[41,41] fits"
+    )
+    assert folder_bytes(46, (3, 41, 41)) <= limit < folder_bytes(46, (3, 45, 45))
+    settings = {"val_size": 2, "memory_gb": limit / GB, "skip_unreadable": True}
+    smaller = datamodule(tmp_path, image_size=[41, 41], **settings)
+    smaller.load()
+    assert smaller.test_set.inputs.shape == (14, 3, 41, 41)
+    twice = datamodule(tmp_path, image_size=[41, 41], **settings)
+    twice.copies_to_read = 2  # what the job sets on the first of two ranks on one machine
+    with pytest.raises(DataError, match=r"of memory \(2 ranks on this machine, a copy each\)"):
+        twice.load()
+
+
+def test_the_cgroup_limit_is_read_where_one_is_set() -> None:
+    """This process's cgroup memory limits as the kernel exposes them: none, or the room left
+    under them (never more than the machine's memory)."""
+    room = cgroup_room()
+    assert room is None or 0 <= room <= __import__("psutil").virtual_memory().total

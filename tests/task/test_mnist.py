@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from lightning_exact.data import Batch, DataError, TensorSplit, keep_batch
 from torch.utils.data import DataLoader
 
 from src.task.data.images import Normalize
 from src.task.data.mnist import DATASETS, FILES, MNISTDataModule, download, load_split, read_idx
-from src.template.data import Batch, DataError, TensorSplit, keep_batch
 from tests.conftest import PROJECT
 from tests.idx_data import idx_bytes, make_dataset, write_idx
 from tests.real_data import DATA_DIR_ENV, real_data_dir

@@ -6,13 +6,20 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning_exact.checkpoints.checkpoint import (
+    check_weights_fit,
+    load_for_inference,
+    migrated,
+    model_from_checkpoint,
+)
 from omegaconf import OmegaConf
 
 from src.task import TASK
 from src.task.data.mnist import MNISTDataModule
 from src.task.model import ImageClassifier
-from src.template.checkpoint import load_for_inference
-from tests.conftest import VAL_SIZE
+from tests.conftest import HARNESS
+
+VAL_SIZE = HARNESS.val_size
 
 NET = {"channels": [8, 16], "hidden": 32, "dropout": 0.0, "batch_norm": True}
 
@@ -50,12 +57,19 @@ def test_loss_mean_does_not_depend_on_batch_size(tiny_root: Path) -> None:
     assert results[0]["val/acc"] == pytest.approx(expected_acc)
 
 
-def test_best_val_acc_travels_in_the_checkpoint() -> None:
+def test_a_checkpoint_with_the_old_best_accuracy_state_fits(tmp_path: Path) -> None:
+    """val/acc_best is the machinery's now (the best checkpoint's score): a checkpoint written
+    when the model kept it as a metric state still fits, to resume and to evaluate."""
     model = ImageClassifier(net=NET, lr=0.01)
-    model.val_acc_best.update(torch.tensor(0.75))
-    restored = ImageClassifier(net=NET, lr=0.01)
-    restored.load_state_dict(model.state_dict())
-    assert restored.val_acc_best.max_value == 0.75  # the state itself, saved and loaded
+    saved = {
+        "state_dict": {**model.state_dict(), "val_acc_best.max_value": torch.tensor(0.75)},
+        "hyper_parameters": dict(model.hparams),
+    }
+    check_weights_fit(migrated(model, saved), model.state_dict(), "old.ckpt", model.hparams)
+    assert "val_acc_best.max_value" in saved["state_dict"], "the checkpoint read is left as is"
+    loaded = model_from_checkpoint(saved, "old.ckpt", TASK)
+    for name, tensor in model.net.state_dict().items():
+        assert torch.equal(loaded.net.state_dict()[name], tensor), name
 
 
 def test_hyperparameters_are_plain_values() -> None:
@@ -91,7 +105,7 @@ def test_speed_options_train_on_cpu(options: dict, tiny_root: Path) -> None:
 
 
 def test_an_image_classifier_checkpoint_of_an_older_config_loads(tmp_path: Path) -> None:
-    """Keys of the network's own section (model.net) and a metric state it predates as well."""
+    """Keys of the network's own section (model.net) and a metric state dropped since."""
     trained = ImageClassifier(net={**NET, "dropout": 0.25}, lr=0.1)
     saved = {
         "state_dict": trained.state_dict(),
@@ -100,7 +114,7 @@ def test_an_image_classifier_checkpoint_of_an_older_config_loads(tmp_path: Path)
     }
     del saved["hyper_parameters"]["channels_last"]  # keys added after it was written
     del saved["hyper_parameters"]["net"]["dropout"]
-    del saved["state_dict"]["val_acc_best.max_value"]  # a metric state it predates
+    saved["state_dict"]["val_acc_best.max_value"] = torch.tensor(0.5)  # a state it dropped
     torch.save(saved, tmp_path / "old.ckpt")
     data = OmegaConf.create({"name": "mnist", "root": str(tmp_path), "download": False})
     data.update(batch_size=8, val_size=2)

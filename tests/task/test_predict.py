@@ -6,11 +6,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from lightning_exact.testing.records import best_checkpoint, read_metrics
 
 from src.task import TASK
 from src.task.data.mnist import DATASETS, load_split
-from tests.conftest import N_TEST, read_metrics, run_entry
-from tests.test_eval import best_checkpoint
+from tests.conftest import HARNESS
+
+N_TEST = HARNESS.n_test
+run_entry = HARNESS.run_entry
 
 
 def test_predict_writes_every_test_sample_in_order(

@@ -7,13 +7,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from lightning_exact.data import TensorSplit
 from PIL import Image
 
 from src.task.data.images import Normalize
 from src.task.model import ImageClassifier
 from src.task.report import figures
-from src.template.data import TensorSplit
-from tests.conftest import run_entry, tiny_overrides
+from tests.conftest import HARNESS
+
+run_entry = HARNESS.run_entry
+tiny_overrides = HARNESS.tiny_overrides
 
 
 def test_misclassified_rgb_images_are_drawn_in_colour(tmp_path: Path) -> None:

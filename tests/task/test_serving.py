@@ -13,27 +13,32 @@ import mlflow
 import numpy as np
 import pytest
 import torch
+from lightning_exact.testing import processes
+from lightning_exact.testing.instruments import SIGNAL_AT_STEP
+from lightning_exact.testing.servers import free_port, local_server_argv, mlflow_server, served
+from lightning_exact.tracking.mlflow_model import MODEL_FOLDER, save_model
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from src.task import nets
 from src.task.data.image_folder import ImageFolderDataModule
 from src.task.export import export
-from src.template.tracking.mlflow_model import MODEL_FOLDER, save_model
-from tests.conftest import (
-    PROJECT,
-    epoch_ends,
-    free_port,
-    local_server_argv,
-    mlflow_server,
-    run_entry,
-    served,
-    tiny_overrides,
-)
+from tests.conftest import HARNESS, PROJECT
 from tests.image_data import make_image_folder
 from tests.task.test_mnist import make_module
-from tests.test_outbox import sync
-from tests.test_system_metrics import SLOW_STEPS
+
+epoch_ends = HARNESS.epoch_ends
+run_entry = HARNESS.run_entry
+tiny_overrides = HARNESS.tiny_overrides
+SLOW_STEPS = {  # each training step 0.2 s longer (the signal_at_step instrument)
+    "PYTHONPATH": os.pathsep.join([str(SIGNAL_AT_STEP), str(PROJECT)]),
+    "SLEEP_PER_STEP": "0.2",
+}
+
+
+def sync(run_dir: Path, *options: str) -> subprocess.CompletedProcess:
+    return processes.sync(run_dir, *options, project=PROJECT)
+
 
 SHOWN = 16  # test images sent to the served model
 

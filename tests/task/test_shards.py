@@ -16,6 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from lightning_exact.data import DataError, TensorSplit, keep_batch
+from lightning_exact.testing.instruments import RECORD_BATCHES
+from lightning_exact.testing.processes import one_error_line
+from lightning_exact.testing.records import assert_same_tensors, load_checkpoint, read_metrics
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -23,24 +27,22 @@ from src.task.data.augment import AugmentedSplit, EpochTaggedSampler, check_augm
 from src.task.data.mnist import DATASETS, MNISTDataModule, load_split
 from src.task.data.partitions import PartitionedBatchSampler, partition_rows
 from src.task.data.shards import ShardDataModule, eval_rows, training_bytes
-from src.template.data import DataError, TensorSplit, keep_batch
-from tests.conftest import (
-    N_TEST,
-    N_TRAIN,
-    PROJECT,
-    VAL_SIZE,
-    one_error_line,
-    read_metrics,
-    run_entry,
-    signal_at_step,
-    tiny_overrides,
-)
+from tests.conftest import HARNESS, PROJECT
 from tests.idx_data import make_dataset
 from tests.image_data import make_image_folder, spoil
-from tests.test_distributed import final_weights
-from tests.test_train import assert_same_tensors
 
-RECORDER = PROJECT / "tests" / "record_batches"
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+
+
+N_TEST = HARNESS.n_test
+N_TRAIN = HARNESS.n_train
+VAL_SIZE = HARNESS.val_size
+run_entry = HARNESS.run_entry
+signal_at_step = HARNESS.signal_at_step
+tiny_overrides = HARNESS.tiny_overrides
+
 AUGMENT = "data.augment={crop_scale:[0.6,1.0],flip:true,jitter:0.3}"
 # Networks without per-rank state (BatchNorm statistics, dropout masks), as test_distributed.
 SMALL = ["model.net.batch_norm=false", "model.net.dropout=0"]
@@ -116,7 +118,6 @@ def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
     from src.prepare import scan
     from src.task.data.augment import augment_one, sample_generator
     from src.task.data.image_folder import ImageFolderDataModule
-    from src.task.data.images import channel_statistics
 
     images, out = make_image_folder(tmp_path / "images", 9, 3, size=(40, 36)), tmp_path / "out"
     odd = sorted((images / "train").rglob("*.png"))[::4]  # other sizes, other aspect ratios
@@ -142,9 +143,9 @@ def test_an_image_folder_converts_a_chunk_at_a_time_to_what_training_reads(
         "image_folder", str(images), [32, 32], 3, 8, val_size=5, skip_unreadable=True
     )
     labels, image_at = source.sample_source("train")
-    digest, counts = scan(source, "train", labels, image_at, chunk=7)  # 46 files: 7 chunks
+    digest, sums = scan(source, "train", labels, image_at, chunk=7)  # 46 files: 7 chunks
     whole = TensorSplit(*source.read("train"))  # sets mean/std from the whole split
-    assert digest == whole.digest() and channel_statistics(counts) == (source.mean, source.std)
+    assert digest == whole.digest() and sums.statistics() == (source.mean, source.std)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["identity"]["digests"]["train"] == digest
     assert (tuple(manifest["mean"]), tuple(manifest["std"])) == (source.mean, source.std)
@@ -249,7 +250,7 @@ def test_shards_train_as_the_source_and_the_same_global_batches_on_two_ranks(
     """IDX data vs its shards (1 rank): identical metrics. Shards on 1 rank vs 2 ranks with 2
     loader workers each: the same global batches, the same weights up to float summation order;
     then evaluation of that checkpoint on 2 ranks equals 1 rank."""
-    env = {"PYTHONPATH": f"{RECORDER}{os.pathsep}{PROJECT}"}
+    env = {"PYTHONPATH": f"{RECORD_BATCHES}{os.pathsep}{PROJECT}"}
     jobs = {
         "idx": [*tiny_overrides(tiny_root, logger="none"), "trainer.max_epochs=1"],
         "shards1": [*shard_overrides(tiny_root, shards), "trainer.max_epochs=1"],

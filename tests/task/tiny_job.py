@@ -1,10 +1,10 @@
-"""The task's tiny job: what the end-to-end tests in ``tests/`` train, through
-``tests/conftest.py``'s ``tiny_root`` and ``tiny_overrides``. Here the shipped image task's: a
+"""The task's tiny job: what the end-to-end tests in ``tests/`` train, through the harness of
+``tests/conftest.py`` (its ``tiny_root`` and ``tiny_overrides``). Here the shipped image task's: a
 learnable MNIST-format dataset written by the tests themselves and a small ConvNet, seconds long.
 
 A forker who replaces the task writes theirs in this file, with the same names (the regression's
-is ``tests/regression_task/tests/task/tiny_job.py``): the machinery's end-to-end tests of the
-daily set then train it.
+is ``lib/tests/project/tests/task/tiny_job.py``): the project's end-to-end tests and the
+conformance checks then train it.
 """
 
 from pathlib import Path

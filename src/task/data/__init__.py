@@ -1,5 +1,5 @@
 """Datasets, chosen by ``data.name``: each name maps to a DataModule class of this package that
-implements the data contract (:mod:`src.template.data`, with :mod:`src.task.data.images`). A new
+implements the data contract (:mod:`lightning_exact.data`, with :mod:`src.task.data.images`). A new
 dataset is a module here, a line in ``DATAMODULES`` and a file in ``conf/data/``; a new IDX
 dataset only an entry in ``DATASETS`` (``mnist.py``) and a file in ``conf/data/``."""
 

@@ -13,11 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from lightning_exact import Batch, DataError, GlobalBatchSampler
 from torch import Tensor
 from torch.utils.data import Dataset
-
-from src.template.data import Batch, DataError
-from src.template.resume import GlobalBatchSampler
 
 KEYS = {"crop_scale", "crop_ratio", "flip", "jitter"}
 

@@ -1,6 +1,8 @@
 """``data=image_folder``: images in class folders, ``<root>/train/<class>/*.png`` and
 ``<root>/test/<class>/*.jpg``, decoded once into the same in-memory ``uint8`` tensor the IDX
-datasets use, so batches are sliced as fast."""
+datasets use, so batches are sliced as fast. A split costs its pixels: one tensor allocated at
+its final size and filled image by image, its statistics counted in the same pass; a folder
+whose pixels would not fit in memory is refused before it is decoded (:mod:`.memory`)."""
 
 import os
 from collections.abc import Sequence
@@ -8,20 +10,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from lightning_exact import DataError, drop_rows
 from torch import Tensor
 
 from src.task.data.augment import check_augment
 from src.task.data.images import (
     MODES,
     ImageDataModule,
-    channel_statistics,
+    PixelSums,
     decode_image,
     decode_source,
-    pixel_counts,
     read_images,
 )
+from src.task.data.memory import GB, PER_IMAGE_BYTES, PER_JOB_BYTES, memory_for_data
 from src.task.data.survey import DECODE_ERRORS, Findings, said
-from src.template.data import DataError, drop_rows
 
 EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 
@@ -77,7 +79,7 @@ class FileImages:
     """Image ``i`` of a listing as ``uint8 [H, W, C]``, decoded on demand (picklable);
     ``original(i)``: its file's bytes, which src.prepare stores as they are (own size). With
     ``findings``, each file's own size and mode are recorded there and an unreadable file is
-    too (its pixels zeros), so that one pass finds them all."""
+    too (None instead of its pixels), so that one pass finds them all."""
 
     def __init__(
         self,
@@ -91,14 +93,14 @@ class FileImages:
         self.size = size
         self.findings = findings
 
-    def __call__(self, i: int) -> np.ndarray:
+    def __call__(self, i: int) -> np.ndarray | None:
         if self.findings is None:
             return decode(Path(self.files[i]), self.channels, self.size)
         try:
             pixels, height, width, mode = decode_source(self.files[i], self.channels, self.size)
         except DECODE_ERRORS as error:
             self.findings.failed(i, error)
-            return np.zeros((*self.size, self.channels), np.uint8)
+            return None
         self.findings.saw(i, height, width, mode)
         return pixels
 
@@ -111,10 +113,15 @@ class FileImages:
 
 
 def surveyed(
-    split_dir: Path, classes: Sequence[str], channels: int, size: tuple[int, int]
+    split_dir: Path,
+    classes: Sequence[str],
+    channels: int,
+    size: tuple[int, int],
+    listed: tuple[list[str], Tensor, list[str]] | None = None,
 ) -> tuple[Tensor, FileImages]:
-    """The split's labels and its images, each decoding recorded in ``image_at.findings``."""
-    files, labels, skipped = listing(split_dir, classes)
+    """The split's labels and its images, each decoding recorded in ``image_at.findings``
+    (``listed``: its :func:`listing`, where it was made already)."""
+    files, labels, skipped = listed or listing(split_dir, classes)
     return labels, FileImages(files, channels, size, Findings(files, skipped))
 
 
@@ -143,6 +150,7 @@ class ImageFolderDataModule(ImageDataModule):
         folds: int | None = None,
         fold: int = 0,
         skip_unreadable: bool = False,
+        memory_gb: float | None = None,
     ) -> None:
         if channels not in MODES:
             raise DataError(f"data.channels={channels} must be 1 (grayscale) or 3 (RGB)")
@@ -158,6 +166,7 @@ class ImageFolderDataModule(ImageDataModule):
         self.classes = tuple(folder.name for folder in class_folders(self.root / "train"))
         self.mean = tuple(mean) if mean is not None else None
         self.std = tuple(std) if std is not None else None
+        self._listed: dict[str, tuple[list[str], Tensor, list[str]]] = {}  # load(): for read()
 
     def prepare_data(self) -> None:
         test_classes = tuple(folder.name for folder in class_folders(self.root / "test"))
@@ -173,6 +182,7 @@ class ImageFolderDataModule(ImageDataModule):
         file (refused after the pass, or left out with ``data.skip_unreadable=true``)."""
         self._findings: dict[str, Findings] | None = {}
         try:
+            self.check_memory(stage)
             super().load(stage)
         except DataError:
             if not any(found.errors for found in self._findings.values()):
@@ -183,7 +193,59 @@ class ImageFolderDataModule(ImageDataModule):
                 self.load_test()
             self.say_findings()
             raise
+        finally:
+            self._listed = {}  # a split read later is listed again
         self.say_findings()
+
+    def check_memory(self, stage: str | None) -> None:
+        """Refuse, before decoding, splits whose pixels would not fit in memory: the images of
+        the splits ``stage`` reads (listed here, for read()) times the copies this machine's
+        ranks hold, plus what loading takes besides (measured, :mod:`.memory`), against what
+        the machine has."""
+        loaded = {"train": self.train_set, "test": self.test_set}
+        to_read = [split for split in self.splits_for(stage) if loaded[split] is None]
+        self._listed = {split: listing(self.root / split, self.classes) for split in to_read}
+        counts = [len(files) for files, _, _ in self._listed.values()]
+        if not counts:
+            return
+        copies = self.copies_to_read
+        need = copies * self.bytes_to_load(counts, self.image_shape)
+        have, source = memory_for_data(self.hparams.get("memory_gb"))
+        if need <= have:
+            return
+        count = sum(counts)
+        _, height, width = self.image_shape
+        ranks = f" ({copies} ranks on this machine, a copy each)" if copies > 1 else ""
+        line = (
+            f"{count:,} images decoded at data.image_size=[{height},{width}] need "
+            f"{need / GB:.3g} GB of memory{ranks}, more than the {have / GB:.3g} GB {source}; "
+            f"stream them instead: python -m src.prepare data=image_folder data.root={self.root} "
+            "out=DIR, then data=shards data.root=DIR"
+        )
+        smaller = self.fitting_size(counts, have // copies)
+        if smaller:
+            line += f", or decode them smaller: data.image_size=[{smaller[0]},{smaller[1]}] fits"
+        raise DataError(line)
+
+    def bytes_to_load(self, counts: Sequence[int], shape: Sequence[int]) -> int:
+        """Peak memory one copy of splits of ``counts`` images of ``shape`` (C, H, W) takes
+        to load: their pixels, what decoding needs besides, and, with loader workers, the
+        largest split once more while its tensor moves to shared memory for them."""
+        pixels = int(np.prod(shape))
+        extra = max(counts) * pixels if self.hparams.num_workers else 0
+        return sum(counts) * (pixels + PER_IMAGE_BYTES) + PER_JOB_BYTES + extra
+
+    def fitting_size(self, counts: Sequence[int], room: int) -> tuple[int, int] | None:
+        """A ``data.image_size`` of this aspect ratio whose images fit in ``room`` bytes, a
+        tenth smaller at a time (None: none does)."""
+        channels, height, width = self.image_shape
+        scale = 1.0
+        while scale > 0.01:
+            scale *= 0.9
+            size = (max(1, int(height * scale)), max(1, int(width * scale)))
+            if self.bytes_to_load(counts, (channels, *size)) <= room:
+                return size
+        return None
 
     def say_findings(self) -> None:
         """What this load's pass found, said; refused here if files were unreadable."""
@@ -195,8 +257,11 @@ class ImageFolderDataModule(ImageDataModule):
 
     def read(self, split: str) -> tuple[Tensor, Tensor]:
         channels, *size = self.image_shape
-        labels, image_at = surveyed(self.root / split, self.classes, channels, tuple(size))
-        images = read_images(image_at, range(len(labels)))
+        listed = self._listed.pop(split, None)  # listed by load()'s memory check
+        labels, image_at = surveyed(self.root / split, self.classes, channels, tuple(size), listed)
+        statistics = split == "train" and self.mean is None
+        sums = PixelSums(channels) if statistics else None
+        images = read_images(image_at, range(len(labels)), self.image_shape, sums)
         findings = image_at.findings
         if getattr(self, "_findings", None) is None:  # read on its own: said (refused) here
             said({split: findings}, size, channels, self.hparams.skip_unreadable)
@@ -206,9 +271,10 @@ class ImageFolderDataModule(ImageDataModule):
             kept = torch.from_numpy(findings.readable())
             images = drop_rows(images, kept)
             labels = labels[kept]
-        if split == "train" and self.mean is None:
-            # Per-channel statistics of the training pixels (set data.mean/std to fix them).
-            self.mean, self.std = channel_statistics(pixel_counts(images))
+        if sums is not None and sums.pixels:
+            # Per-channel statistics of the training pixels (set data.mean/std to fix them),
+            # of the files that decoded.
+            self.mean, self.std = sums.statistics()
         return images, labels
 
     def sample_source(self, split: str) -> tuple[Tensor, FileImages]:

@@ -1,5 +1,5 @@
 """Image classification data: what every dataset of this task adds to the machinery's data
-contract (:mod:`src.template.data`): the image shape networks are built for, class names, and
+contract (:mod:`lightning_exact.data`): the image shape networks are built for, class names, and
 the per-channel normalisation that turns stored ``uint8`` pixels into model inputs."""
 
 import os
@@ -10,13 +10,12 @@ from typing import IO, Any
 
 import numpy as np
 import torch
+from lightning_exact import DataError, TensorDataModule, resume_position
 from PIL import Image
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from src.task.data.augment import AugmentedSplit, EpochTaggedSampler, check_augment
-from src.template.data import DataError, TensorDataModule
-from src.template.resume import resume_position
 
 MODES = {1: "L", 3: "RGB"}
 
@@ -60,45 +59,73 @@ class Normalize(nn.Module):
         return images.float().div(255).sub_(self.mean).div_(self.std)
 
 
-def read_images(image_at: Callable[[int], np.ndarray], indices: Sequence[int]) -> Tensor:
-    """Images ``indices`` (each ``uint8 [H, W, C]``) as ``uint8 [N, C, H, W]``, each decoded
-    straight into its place, a range of them per thread (Pillow decodes without the GIL)."""
-    first = image_at(indices[0]).transpose(2, 0, 1)
-    images = torch.empty((len(indices), *first.shape), dtype=torch.uint8)
-    into = images.numpy()  # a view: each image is copied once, from the decoder into place
-    into[0] = first
+ROWS_PER_TASK = 256  # images one decoding thread takes at a time: not a future per image
 
-    def decode_range(start: int) -> None:  # not a future per image: millions would not fit
-        for i in range(max(start, 1), min(start + 256, len(indices))):
-            into[i] = image_at(indices[i]).transpose(2, 0, 1)
+
+class PixelSums:
+    """Per-channel count, sum and sum of squares of ``uint8`` pixels, added an image at a time
+    as it is decoded: a split's mean and std from the decoding pass itself, without a second
+    pass or a float copy of the split. Exact: an image's sums are taken in float64 (integers
+    below 2**53) and kept as int64, so the statistics are those of every pixel at once."""
+
+    def __init__(self, channels: int) -> None:
+        self.pixels = 0  # per channel
+        self.total = np.zeros(channels, np.int64)
+        self.squares = np.zeros(channels, np.int64)
+
+    def add(self, image: np.ndarray) -> None:
+        """One ``uint8 [C, H, W]`` image."""
+        values = image.reshape(len(self.total), -1).astype(np.float64)
+        self.pixels += values.shape[1]
+        self.total += values.sum(axis=1).astype(np.int64)
+        self.squares += np.einsum("ij,ij->i", values, values).astype(np.int64)
+
+    def merge(self, other: "PixelSums") -> None:
+        self.pixels += other.pixels
+        self.total += other.total
+        self.squares += other.squares
+
+    def statistics(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per-channel mean and (sample) standard deviation of ``[0, 1]`` pixels, exact up to
+        the final division; std at least 1e-6."""
+        n = self.pixels
+        mean = tuple(s / n / 255 for s in self.total.tolist())
+        pairs = zip(self.total.tolist(), self.squares.tolist(), strict=True)
+        variance = [(n * q - s * s) / (n * max(n - 1, 1)) for s, q in pairs]
+        return mean, tuple(max(v**0.5 / 255, 1e-6) for v in variance)
+
+
+def read_images(
+    image_at: Callable[[int], np.ndarray | None],
+    indices: Sequence[int],
+    shape: Sequence[int],
+    sums: PixelSums | None = None,
+) -> Tensor:
+    """Images ``indices`` (each ``uint8 [H, W, C]``; None for a file that did not decode: its
+    row zeros) as one ``uint8 [N, C, H, W]`` tensor of ``shape`` (C, H, W), allocated once and
+    filled in place, a range of rows per thread (Pillow decodes without the GIL). Each image is
+    copied once, from the decoder into its row, and, with ``sums``, added to them there (the
+    split's statistics in the same pass)."""
+    images = torch.empty((len(indices), *shape), dtype=torch.uint8)
+    into = images.numpy()  # a view: its pages are touched as rows are written
+
+    def decode_range(start: int) -> PixelSums | None:
+        part = PixelSums(shape[0]) if sums is not None else None  # one per thread: no lock
+        for row in range(start, min(start + ROWS_PER_TASK, len(indices))):
+            pixels = image_at(indices[row])
+            if pixels is None:
+                into[row] = 0
+                continue
+            into[row] = pixels.transpose(2, 0, 1)
+            if part is not None:
+                part.add(into[row])
+        return part
 
     with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
-        list(pool.map(decode_range, range(0, len(indices), 256)))
+        for part in pool.map(decode_range, range(0, len(indices), ROWS_PER_TASK)):
+            if sums is not None and part is not None:
+                sums.merge(part)
     return images
-
-
-def pixel_counts(images: Tensor, chunk_bytes: int = 1 << 23) -> Tensor:
-    """How often each value 0-255 occurs in each channel of ``uint8 [N, C, H, W]`` images, a
-    chunk at a time: exact, and no float copy of the split."""
-    counts = torch.zeros(images.shape[1], 256, dtype=torch.long)
-    step = max(1, chunk_bytes // max(1, images[0].numel()))
-    for start in range(0, len(images), step):
-        for channel in range(images.shape[1]):
-            values = images[start : start + step, channel].reshape(-1)
-            counts[channel] += torch.bincount(values, minlength=256)
-    return counts
-
-
-def channel_statistics(counts: Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and (sample) standard deviation of ``[0, 1]`` pixels from
-    :func:`pixel_counts`, exact up to the final division; std at least 1e-6."""
-    levels = torch.arange(256, dtype=torch.long)
-    n = int(counts[0].sum())
-    total = (counts * levels).sum(dim=1).tolist()
-    squares = (counts * levels**2).sum(dim=1).tolist()
-    mean = tuple(s / n / 255 for s in total)
-    variance = [(n * q - s * s) / (n * max(n - 1, 1)) for s, q in zip(total, squares, strict=True)]
-    return mean, tuple(max(v**0.5 / 255, 1e-6) for v in variance)
 
 
 class ImageDataModule(TensorDataModule):

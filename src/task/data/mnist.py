@@ -14,13 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from lightning_exact import DataError, folder_kept_if_used
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from torch import Tensor
 
 from src.task.data.augment import check_augment
 from src.task.data.images import ImageDataModule
-from src.template.data import DataError
-from src.template.files import folder_kept_if_used
 
 FILES = (
     "train-images-idx3-ubyte",

@@ -13,11 +13,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+from lightning_exact import DataError, GlobalBatchSampler
 from torch import Tensor
 from torch.utils.data import Dataset
-
-from src.template.data import DataError
-from src.template.resume import GlobalBatchSampler
 
 
 def check_partitions(count: int, world_size: int, global_batch_size: int) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from lightning_exact import Batch, DataError, carve_validation, resume_position
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -30,8 +31,6 @@ from src.task.data.partitions import (
     partition_rows,
 )
 from src.task.data.survey import say, size_note
-from src.template.data import Batch, DataError, carve_validation
-from src.template.resume import resume_position
 
 # LitData's advice to use a 25 GB cache: check_cache says what this job needs instead.
 CACHE_ADVICE = "The provided `max_cache_size` is less than 25GB"
@@ -313,7 +312,7 @@ class ShardDataModule(ImageDataModule):
         ):
             say(note)
         labels = self._labels("train")
-        # The carve-out of every dataset (src/template/data.py): the same validation samples.
+        # The carve-out of every dataset (lib/lightning_exact/data.py): the same validation samples.
         val_idx, train_idx = carve_validation(len(labels), self.hparams)
         self.val_set = self._split("train", val_idx, labels)
         self.train_set = self._split("train", train_idx, labels)

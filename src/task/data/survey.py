@@ -14,9 +14,8 @@ from pathlib import Path
 
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_only
+from lightning_exact import DataError
 from PIL import Image
-
-from src.template.data import DataError
 
 # What Pillow raises for a file it cannot decode (truncated, corrupt, not an image, too large).
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)

@@ -1,0 +1,1 @@
+../../../../src/register.py
