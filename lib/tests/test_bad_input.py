@@ -19,19 +19,9 @@ from tests.conftest import HARNESS, N_TRAIN, run_entry, tiny_overrides
 pytestmark = pytest.mark.slow
 
 
-def fails_before_any_work(
-    workdir: Path,
-    *overrides: str,
-    data_root: Path,
-    env: dict[str, str] | None = None,
-    base: list[str] | None = None,
-    forked: ForkedEntry | None = None,
-) -> str:
-    """Run training with ``overrides`` (after ``base``, by default the tiny job's), in a fork of
-    ``forked`` if given; return its stderr after checking nothing was started."""
-    return refusals.fails_before_any_work(
-        HARNESS, workdir, *overrides, data_root=data_root, env=env, base=base, forked=forked
-    )
+# Training run with the given overrides (after ``base``, by default the tiny job's), in a fork of
+# ``forked`` if given: its stderr, once it is checked that nothing was started.
+fails_before_any_work = partial(refusals.fails_before_any_work, HARNESS)
 
 
 CORES = len(os.sched_getaffinity(0))

@@ -8,15 +8,18 @@ from importlib import metadata
 from pathlib import Path
 
 import lightning_exact
+from lightning_exact.testing.code_shape import (
+    import_cycles,
+    imported_modules,
+    long_and_deep_functions,
+    module_name,
+    packed_assignments,
+)
 from lightning_exact.testing.public_api import private_methods, private_uses
 
 from tests.conftest import PROJECT
 
 MACHINERY = Path(lightning_exact.__file__).resolve().parent
-
-
-def module_name(path: Path, root: Path) -> str:
-    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
 
 
 def where(path: Path) -> Path:
@@ -31,22 +34,11 @@ SOURCES = {
 }
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every module ``path`` imports, anywhere in it: ``from src.task import nets`` counts as
-    ``src.task.nets`` (a submodule), not as the package ``src.task``."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & SOURCES.keys()
-            names |= submodules or {node.module}
-    return names
-
-
 def test_machinery_imports_nothing_of_a_project() -> None:
     offenders = {
-        str(where(path)): sorted(m for m in imported_modules(path) if m.split(".")[0] == "src")
+        str(where(path)): sorted(
+            m for m in imported_modules(path, SOURCES) if m.split(".")[0] == "src"
+        )
         for path in sorted(MACHINERY.rglob("*.py"))
     }
     assert not {name: mods for name, mods in offenders.items() if mods}
@@ -127,17 +119,7 @@ def test_the_machinery_knows_nothing_of_image_classification() -> None:
 def test_no_module_of_the_project_imports_itself_back() -> None:
     """No import cycle, counting imports inside functions too (a deferred import is still a
     cycle: neither module can be read, tested or replaced without the other)."""
-    imports = {name: imported_modules(path) & SOURCES.keys() for name, path in SOURCES.items()}
-
-    def cycle(path: list[str]) -> list[str]:
-        for module in sorted(imports[path[-1]]):
-            if module == path[0]:
-                return [*path, module]
-            if module not in path and (found := cycle([*path, module])):
-                return found
-        return []
-
-    assert not [found for name in SOURCES if (found := cycle([name]))]
+    assert not import_cycles(SOURCES)
 
 
 TASK_PACKAGE = PROJECT / "src" / "task"
@@ -155,14 +137,7 @@ def test_the_task_uses_only_public_names_of_the_machinery() -> None:
 def test_one_assignment_per_line() -> None:
     """``a, b = x, y`` packs two statements into one line to save a line; the code reads better
     one name at a time (unpacking a function's tuple, ``a, b = f()``, is not this)."""
-    packed = [
-        f"{where(path)}:{node.lineno}"
-        for path in SOURCES.values()
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.Assign)
-        and isinstance(node.targets[0], ast.Tuple)
-        and isinstance(node.value, ast.Tuple)
-    ]
+    packed = packed_assignments(SOURCES, where)
     assert not packed, f"split these into one assignment each: {packed}"
 
 
@@ -206,20 +181,6 @@ def test_functions_are_short_and_shallow() -> None:
     """No function of the library or the test project is over 40 lines (its docstring included)
     or nests blocks more than 4 deep: a reader holds one in view. Longer ones split into named
     steps."""
-    blocks = (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.Match)
-
-    def depth(node: ast.AST) -> int:
-        inner = [depth(child) for child in ast.iter_child_nodes(node)]
-        return max(inner, default=0) + isinstance(node, blocks)
-
-    long, deep = [], []
-    for path in SOURCES.values():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                place = f"{where(path)}:{node.lineno} {node.name}"
-                if node.end_lineno - node.lineno + 1 > 40:
-                    long.append(place)
-                if max(depth(statement) for statement in node.body) > 4:
-                    deep.append(place)
+    long, deep = long_and_deep_functions(SOURCES, where)
     assert not long, f"over 40 lines: {long}"
     assert not deep, f"nested over 4 deep: {deep}"

@@ -25,19 +25,9 @@ tiny_overrides = HARNESS.tiny_overrides
 pytestmark = pytest.mark.slow
 
 
-def fails_before_any_work(
-    workdir: Path,
-    *overrides: str,
-    data_root: Path,
-    env: dict[str, str] | None = None,
-    base: list[str] | None = None,
-    forked: ForkedEntry | None = None,
-) -> str:
-    """Run training with ``overrides`` (after ``base``, by default the tiny MNIST job's), in a
-    fork of ``forked`` if given; return its stderr after checking nothing was started."""
-    return refusals.fails_before_any_work(
-        HARNESS, workdir, *overrides, data_root=data_root, env=env, base=base, forked=forked
-    )
+# Training run with the given overrides (after ``base``, by default the tiny MNIST job's), in a
+# fork of ``forked`` if given: its stderr, once it is checked that nothing was started.
+fails_before_any_work = partial(refusals.fails_before_any_work, HARNESS)
 
 
 def test_missing_data_offline_with_download_on(tiny_root: Path, tmp_path: Path) -> None:
