@@ -73,7 +73,7 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> dict:
     steps = documented_steps()
     steps = steps.replace("gh:OWNER/lightning-ddp-template", str(template))
     release = f"--vcs-ref HEAD --defaults --data template_url=file://localhost{template}"
-    steps = steps.replace("--vcs-ref v1.0.0", release)
+    steps = steps.replace("--vcs-ref v1.1.0", release)
     before_install, after_install = steps.split('pip install -e ".[dev]" -c constraints.txt\n')
     after_install = after_install.replace("python -m pytest --full -n 3\n", "")
     output = bash(before_install, fork)
